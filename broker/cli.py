@@ -14,6 +14,11 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def main() -> None:
+    """Keeps subcommands named (`rollout-broker sim-engine ...`) while there is only one."""
+
+
 @app.command("sim-engine")
 def sim_engine(
     port: Annotated[int, typer.Option(help="TCP port to serve vLLM's HTTP API on")] = 8000,
