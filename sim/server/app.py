@@ -87,8 +87,7 @@ def build_state(settings: EngineSettings) -> ServerState:
     core = EngineCore(profile, kv_tokens=settings.kv_tokens, seed=settings.seed)
     driver = EngineDriver(core, time_scale=settings.time_scale)
     model_name = settings.model_name or profile.served_model
-    cache_info = CacheConfigInfo(block_size=core.block_size, num_gpu_blocks=core.num_gpu_blocks,
-                                 kv_tokens=core.num_gpu_blocks * core.block_size)
+    cache_info = CacheConfigInfo(block_size=core.block_size, num_gpu_blocks=core.num_gpu_blocks)
     return ServerState(profile=profile, model_name=model_name,
                        tokenizer=SimTokenizer(profile.vocab_size), core=core, driver=driver,
                        registry=build_registry(model_name, driver.stats, cache_info))
@@ -117,13 +116,8 @@ def _add_generation_routes(app: FastAPI) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, s: StateDep) -> Any:
         s.check_model(req.model)
-        P.check_sampling(req)
-        prompts = P.completion_prompts(req, s.tokenizer)
-        limits = []
-        for pr in prompts:
-            P.check_token_ids(pr, s.profile.vocab_size, "prompt")
-            limits.append(P.resolve_max_tokens(req.max_tokens, len(pr.token_ids),
-                                               s.max_model_len, "max_tokens", "prompt"))
+        prompts, limits = P.completion_inputs(req, s.tokenizer, s.profile.vocab_size,
+                                              s.max_model_len)
         request_id = f"cmpl-{req.request_id or random_uuid()}"
         gen = serving.start_generation(s.driver, request_id, s.model_name, prompts, limits, req)
         echo = bool(req.echo)
@@ -137,12 +131,7 @@ def _add_generation_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: ChatCompletionRequest, s: StateDep) -> Any:
         s.check_model(req.model)
-        P.check_sampling(req)
-        prompt = P.chat_prompt(req.messages, req.add_generation_prompt,
-                               req.continue_final_message, s.tokenizer)
-        requested, field = P.chat_max_tokens(req)
-        limit = P.resolve_max_tokens(requested, len(prompt.token_ids), s.max_model_len, field,
-                                     "messages")
+        prompt, limit = P.chat_inputs(req, s.tokenizer, s.max_model_len)
         request_id = f"chatcmpl-{req.request_id or random_uuid()}"
         gen = serving.start_generation(s.driver, request_id, s.model_name, [prompt], [limit], req)
         if req.stream:
@@ -177,27 +166,17 @@ def _add_token_routes(app: FastAPI) -> None:
     @app.post("/v1/completions/render")
     async def render_completion(req: CompletionRequest, s: StateDep) -> list[GenerateRequest]:
         s.check_model(req.model)
-        P.check_sampling(req)
-        out = []
-        for pr in P.completion_prompts(req, s.tokenizer):
-            P.check_token_ids(pr, s.profile.vocab_size, "prompt")
-            limit = P.resolve_max_tokens(req.max_tokens, len(pr.token_ids), s.max_model_len,
-                                         "max_tokens", "prompt")
-            out.append(GenerateRequest(request_id=f"cmpl-{random_uuid()}",
-                                       token_ids=pr.token_ids, model=s.model_name,
-                                       sampling_params=P.sampling_params(req, limit),
-                                       stream=req.stream, stream_options=req.stream_options))
-        return out
+        prompts, limits = P.completion_inputs(req, s.tokenizer, s.profile.vocab_size,
+                                              s.max_model_len)
+        return [GenerateRequest(request_id=f"cmpl-{random_uuid()}", token_ids=pr.token_ids,
+                                model=s.model_name, sampling_params=P.sampling_params(req, limit),
+                                stream=req.stream, stream_options=req.stream_options)
+                for pr, limit in zip(prompts, limits)]
 
     @app.post("/v1/chat/completions/render")
     async def render_chat(req: ChatCompletionRequest, s: StateDep) -> GenerateRequest:
         s.check_model(req.model)
-        P.check_sampling(req)
-        prompt = P.chat_prompt(req.messages, req.add_generation_prompt,
-                               req.continue_final_message, s.tokenizer)
-        requested, field = P.chat_max_tokens(req)
-        limit = P.resolve_max_tokens(requested, len(prompt.token_ids), s.max_model_len, field,
-                                     "messages")
+        prompt, limit = P.chat_inputs(req, s.tokenizer, s.max_model_len)
         return GenerateRequest(request_id=f"chatcmpl-{random_uuid()}", token_ids=prompt.token_ids,
                                model=s.model_name, sampling_params=P.sampling_params(req, limit),
                                stream=req.stream, stream_options=req.stream_options)

@@ -28,7 +28,6 @@ class CacheConfigInfo:
 
     block_size: int
     num_gpu_blocks: int
-    kv_tokens: int
 
     def labels(self) -> dict[str, str]:
         return {

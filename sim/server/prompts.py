@@ -79,12 +79,12 @@ def check_token_ids(prompt: Prompt, vocab_size: int, field: str) -> None:
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
                        field: str, input_field: str) -> int:
-    """vLLM's context-length check; `requested=None` means "the rest of the context"."""
-    where = "messages" if input_field == "messages" else "prompt"
+    """vLLM's context-length check (its wording says "messages" for both endpoints);
+    `requested=None` means "the rest of the context"."""
     if prompt_len >= max_model_len:
         raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, "
                        f"your request has {prompt_len} input tokens. Please reduce the length of "
-                       f"the input {where}.", param=input_field)
+                       "the input messages.", param=input_field)
     if requested is None:
         return max_model_len - prompt_len
     if requested < 1:
@@ -92,9 +92,33 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
     if prompt_len + requested > max_model_len:
         raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, "
                        f"you requested {prompt_len + requested} tokens ({prompt_len} in the "
-                       f"{where}, {requested} in the completion). Please reduce the length of "
-                       f"the {where} or completion.", param=field)
+                       f"messages, {requested} in the completion). Please reduce the length of "
+                       "the messages or completion.", param=field)
     return requested
+
+
+def completion_inputs(req: CompletionRequest, tok: SimTokenizer, vocab_size: int,
+                      max_model_len: int) -> tuple[list[Prompt], list[int]]:
+    """Validated prompts of a completion request and each one's max_tokens."""
+    check_sampling(req)
+    prompts = completion_prompts(req, tok)
+    limits = []
+    for pr in prompts:
+        check_token_ids(pr, vocab_size, "prompt")
+        limits.append(resolve_max_tokens(req.max_tokens, len(pr.token_ids), max_model_len,
+                                         "max_tokens", "prompt"))
+    return prompts, limits
+
+
+def chat_inputs(req: ChatCompletionRequest, tok: SimTokenizer,
+                max_model_len: int) -> tuple[Prompt, int]:
+    """The validated rendered prompt of a chat request and its max_tokens."""
+    check_sampling(req)
+    prompt = chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
+                         tok)
+    requested, field = chat_max_tokens(req)
+    return prompt, resolve_max_tokens(requested, len(prompt.token_ids), max_model_len, field,
+                                      "messages")
 
 
 def chat_max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:

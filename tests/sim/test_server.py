@@ -255,7 +255,7 @@ MAX_LEN = 32_768
     ("/v1/completions", {"prompt": [5, 999_999], "max_tokens": 3}, 400, "prompt", "vocabulary"),
     ("/v1/completions", {"prompt": [5] * 100, "max_tokens": MAX_LEN}, 400, "max_tokens",
      f"maximum context length is {MAX_LEN} tokens. However, you requested {MAX_LEN + 100} "
-     f"tokens (100 in the prompt, {MAX_LEN} in the completion)"),
+     f"tokens (100 in the messages, {MAX_LEN} in the completion)"),
     ("/v1/completions", {"prompt": [5] * MAX_LEN, "max_tokens": 1}, 400, "prompt",
      f"maximum context length is {MAX_LEN} tokens. However, your request has {MAX_LEN} input"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "at least 1"),
