@@ -6,6 +6,7 @@ no test sees another's prefix-cache entries.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Iterator
 
@@ -283,3 +284,27 @@ def test_openai_client_raises_bad_request(client: openai.OpenAI, engine: Running
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=engine.model_name, prompt="hi", max_tokens=0)
     assert info.value.body["param"] == "max_tokens"  # type: ignore[index]
+
+
+# --- KV pressure --------------------------------------------------------------------------
+
+
+def test_concurrent_requests_on_a_small_kv_cache_preempt_and_all_finish() -> None:
+    """32 blocks of KV cannot hold 8 requests growing to 140 tokens: the engine preempts (visible
+    in vllm:num_preemptions_total) and still finishes every request with its full output."""
+    async def run(eng: RunningEngine) -> list[dict]:
+        async with httpx.AsyncClient(base_url=eng.url, timeout=60) as ac:
+            bodies = [{"prompt": random_prompt(40, 200 + i), "max_tokens": 100,
+                       "ignore_eos": True} for i in range(8)]
+            resps = await asyncio.gather(*(ac.post("/v1/completions", json=b) for b in bodies))
+            return [r.json() for r in resps]
+
+    with running_engine(profile=PROFILE, time_scale=200.0, kv_tokens=512) as eng, \
+            httpx.Client(base_url=eng.url, timeout=30) as http:
+        assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 31 * BLOCK
+        results = asyncio.run(run(eng))
+        assert [r["usage"]["completion_tokens"] for r in results] == [100] * 8
+        m = scrape(http)
+        assert metric(m, "vllm:num_preemptions_total") > 0
+        assert metric(m, "vllm:generation_tokens_total") == 800
+        assert metric(m, "vllm:num_requests_running") == 0
