@@ -7,7 +7,7 @@ from broker.policies import make_policy, policy_names
 from broker.policies.router_base import arrival_order
 from tests.broker.policies.snapshots import backend, item, placements, snapshot
 
-ROUTERS = ("round_robin", "least_loaded", "power_of_two")
+ROUTERS = ("round_robin", "least_loaded", "power_of_two", "cache_aware")
 
 
 def test_all_four_are_registered_routers() -> None:
