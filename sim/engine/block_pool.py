@@ -1,0 +1,125 @@
+"""Paged KV blocks with prefix caching, after vLLM v1's BlockPool.
+
+Invariants (checked by `check_invariants`, asserted by the tests after every step):
+- a block is in the free queue  ⇔  its ref_cnt == 0;
+- a block with a hash is the one `cached[hash]` maps to (one block per hash: a second block
+  computing the same content stays unhashed — vLLM keeps both, which only matters if the first
+  is evicted while the second lives; we accept that difference);
+- freed blocks keep their hash until they are handed out again (that is what lets a finished
+  request's KV be hit later); allocation takes from the head of the free queue (least recently
+  freed) and evicts that block's hash; frees go to the tail.
+- block 0 is vLLM's null block: never allocated, not counted in usage.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+ROOT_HASH = 0x5F3759DF  # parent "hash" of a sequence's first block (vLLM's NONE_HASH)
+
+
+def hash_block(parent: int, tokens: tuple[int, ...]) -> int:
+    """Chained block hash: equal iff the whole prefix up to and including this block is equal
+    (modulo 64-bit collisions). Python's tuple-of-int hash is unsalted, so it is deterministic."""
+    return hash((parent, tokens))
+
+
+def chain_hashes(token_ids: list[int], block_size: int, parent: int = ROOT_HASH, start_block: int = 0,
+                 stop_block: int | None = None) -> list[int]:
+    """Hashes of the full blocks [start_block, stop_block) of `token_ids`, chained from `parent`."""
+    n_full = len(token_ids) // block_size
+    stop = n_full if stop_block is None else min(stop_block, n_full)
+    out = []
+    h = parent
+    for i in range(start_block, stop):
+        h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        out.append(h)
+    return out
+
+
+class Block:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0  # requests holding this block; 0 ⇔ in the free queue
+        self.block_hash: int | None = None  # set once the block is full and cached
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class BlockPool:
+    def __init__(self, num_gpu_blocks: int) -> None:
+        if num_gpu_blocks < 2:
+            raise ValueError(f"num_gpu_blocks: need at least 2, got {num_gpu_blocks}")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.blocks = [Block(i) for i in range(num_gpu_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1  # never freed, never handed out
+        # LRU free queue: first = next to hand out (evict), last = most recently freed.
+        self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self.cached: dict[int, Block] = {}
+        self.evictions = 0  # cached blocks whose hash was dropped on reuse
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        """vLLM's kv_cache_usage_perc: 1 − free / (total − null block)."""
+        return 1.0 - len(self.free) / (self.num_gpu_blocks - 1)
+
+    def lookup(self, block_hash: int) -> Block | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference on cache hits; a hit on a free block pulls it out of the queue."""
+        free = self.free
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del free[b.block_id]
+            b.ref_cnt += 1
+
+    def get_new_blocks(self, n: int) -> list[Block]:
+        if n > len(self.free):
+            raise RuntimeError(f"get_new_blocks({n}) with only {len(self.free)} free")  # a caller bug
+        out = []
+        popitem = self.free.popitem
+        cached = self.cached
+        for _ in range(n):
+            _, b = popitem(last=False)
+            if b.block_hash is not None:
+                if cached.get(b.block_hash) is b:
+                    del cached[b.block_hash]
+                    self.evictions += 1
+                b.block_hash = None
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def free_blocks(self, ordered: list[Block]) -> None:
+        """Drop one reference from each; blocks reaching 0 join the tail in the given order
+        (callers pass a request's blocks tail-first, so its last blocks are evicted first)."""
+        free = self.free
+        for b in ordered:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                free[b.block_id] = b
+
+    def cache_block(self, block: Block, block_hash: int) -> None:
+        if block.block_hash is not None:
+            return
+        if block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def check_invariants(self) -> None:
+        for b in self.blocks[1:]:
+            assert b.ref_cnt >= 0, b
+            assert (b.ref_cnt == 0) == (b.block_id in self.free), b
+            if b.block_hash is not None:
+                assert self.cached.get(b.block_hash) is b, b
+        for h, b in self.cached.items():
+            assert b.block_hash == h, (h, b)
+        assert self.null_block.block_id not in self.free

@@ -1,0 +1,482 @@
+"""EngineCore: the simulated vLLM engine on a virtual clock, advanced in bulk between events.
+
+The clock moves in *segments*. A segment is either one scheduler step (planned by running
+`schedule()`, which allocates at once, as vLLM does; its tokens land when it ends) or a run of
+k pure-decode steps (every running request is decoding, nothing in waiting can be admitted,
+no block shortage): those are computed in closed form — tokens, block needs and time — and
+applied in one go. A decode run ends at the first of: a request finishing, the step before the
+free queue runs short (the next step preempts), or the next arrival. A request added in the
+middle of a planned run cuts it at the first step boundary after its arrival, so bulk
+advancing gives exactly the step sequence of stepping one by one.
+
+Drivers: the fleet simulator calls `next_event_time()` / `advance(until)` / `add_request`;
+the HTTP server's wall-clock driver calls `advance(until=virtual_now)` on a timer.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.engine.kv_cache import KVCacheManager
+from sim.engine.profiles import EngineProfile
+from sim.engine.request import EngineRequest, FinishReason, RequestStatus
+from sim.engine.sampling import eos_length, request_seed
+from sim.engine.scheduler import ScheduledStep, Scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    now: float
+    kv_usage: float  # vllm:kv_cache_usage_perc
+    num_running: int
+    num_waiting: int
+    num_preemptions_total: int
+    prefix_queries_total: int  # tokens looked up by requests never preempted
+    prefix_hits_total: int
+    preempted_prefix_queries_total: int  # the same for recomputes after preemption
+    preempted_prefix_hits_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_gpu_blocks: int
+    block_size: int
+    requests_finished_total: dict[FinishReason, int]
+    steps_total: int
+    busy_time: float  # virtual seconds spent in steps
+    kv_usage_integral: float  # ∫ kv_usage dt over busy and idle time
+
+
+@dataclass(slots=True)
+class _DecodeRun:
+    start: float
+    k: int  # steps in the run
+    reqs: list[EngineRequest]
+    base: float  # per-step time without the growing-context term
+    growth: float  # b × batch size: each step's context term grows by this
+    end: float
+    tokens: np.ndarray | None = None  # num_tokens of each request at the run's start
+    blocks: np.ndarray | None = None  # blocks each request holds at the run's start
+    left: np.ndarray | None = None  # output tokens each request has left at the run's start
+    preempted: int = 0  # requests preempted when this (single-step) run was planned: atomic
+
+    def elapsed(self, j: int) -> float:
+        """Duration of the first j steps of the run."""
+        return j * self.base + self.growth * j * (j - 1) / 2.0
+
+
+@dataclass(slots=True)
+class _Step:
+    start: float
+    step: ScheduledStep
+    end: float
+
+
+class EngineCore:
+    def __init__(self, profile: EngineProfile, *, kv_tokens: int | None = None, seed: int = 0,
+                 bulk: bool = True) -> None:
+        """`bulk=False` plans every step through `Scheduler.schedule()`, one at a time: the
+        reference the bulk path is tested against (same steps, same times, same tokens)."""
+        self.profile = profile.with_kv_tokens(kv_tokens)
+        p = self.profile
+        self.block_size = p.block_size
+        self.num_gpu_blocks = p.num_gpu_blocks
+        # vLLM refuses to start when max_model_len does not fit the KV cache; we shrink it.
+        self.max_model_len = min(p.max_model_len, (self.num_gpu_blocks - 1) * p.block_size)
+        self.seed = seed
+        self.bulk = bulk
+        self.kv = KVCacheManager(self.num_gpu_blocks, p.block_size, self.max_model_len)
+        self.scheduler = Scheduler(p, self.kv)
+        self.now = 0.0
+        self.requests: dict[str, EngineRequest] = {}  # unfinished, by id
+        self._arrivals: list[tuple[float, int, EngineRequest]] = []
+        self._seq = itertools.count()
+        self._plan: _Step | _DecodeRun | None = None
+        self._done: list[EngineRequest] = []
+        self._pending_aborts: set[str] = set()
+        # (running list, num_tokens, blocks, tokens left) as the last decode run left them;
+        # valid only while `scheduler.running` is that same list of requests.
+        self._decode_batch: tuple[list[EngineRequest], np.ndarray, np.ndarray, np.ndarray] | None = None
+        # Counters (vLLM's metric meanings; see EngineStats).
+        self._preemptions = 0
+        self._queries = self._hits = self._p_queries = self._p_hits = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._finished_by_reason = {r: 0 for r in FinishReason}
+        self._steps = 0
+        self._busy = 0.0
+        self._kv_integral = 0.0
+
+    # -- requests ------------------------------------------------------------------------
+    def validate(self, req: EngineRequest) -> None:
+        """Raise ValueError("<field>: reason") for a request vLLM would reject."""
+        if not req.prompt_token_ids:
+            raise ValueError("prompt: must not be empty")
+        if req.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be at least 1, got {req.max_tokens}")
+        vocab = self.profile.vocab_size
+        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is out of vocabulary (size {vocab})")
+        n = len(req.prompt_token_ids)
+        if n + req.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {n + req.max_tokens} tokens ({n} in the messages, "
+                f"{req.max_tokens} in the completion). Please reduce the length of the messages "
+                "or completion."
+            )
+        if req.output_len is not None and req.output_len < 1:
+            raise ValueError(f"sim_output_len: must be at least 1, got {req.output_len}")
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id: {req.request_id!r} is already running")
+
+    def add_request(self, req: EngineRequest) -> None:
+        self.validate(req)
+        p = self.profile
+        req.token_seed = request_seed(self.seed, req.request_id, req.seed)
+        req.vocab_size = p.vocab_size
+        req.num_prompt_tokens = len(req.prompt_token_ids)
+        req.num_tokens = req.num_prompt_tokens + req.num_output_tokens
+        if req.ignore_eos:
+            stop = req.max_tokens
+        elif req.output_len is not None:
+            stop = req.output_len
+        else:
+            stop = eos_length(req.token_seed, p.eos_median, p.eos_sigma)
+        req.stop_len = min(stop, req.max_tokens, self.max_model_len - req.num_prompt_tokens)
+        t = max(req.arrival_time, self.now)
+        req.arrival_time = t
+        self._cut_decode_run(t)
+        self.requests[req.request_id] = req
+        heapq.heappush(self._arrivals, (t, next(self._seq), req))
+
+    def abort_request(self, request_id: str) -> EngineRequest | None:
+        """Abort at the next step boundary (a step in flight completes first, as in vLLM)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._cut_decode_run(self.now)
+        self._pending_aborts.add(request_id)
+        if self._plan is None:
+            self._apply_aborts()
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._done)
+
+    # -- the clock -----------------------------------------------------------------------
+    def next_event_time(self) -> float | None:
+        """When the engine next needs the driver: the end of the planned segment; `now` when it
+        has work but no plan yet (plans are made inside `advance`, once the driver's clock has
+        reached `now`, so that no arrival up to then can be missed); the next arrival when idle."""
+        if self._plan is not None:
+            return self._plan.end
+        sch = self.scheduler
+        if sch.running or sch.waiting or (self._arrivals and self._arrivals[0][0] <= self.now):
+            return self.now
+        return self._arrivals[0][0] if self._arrivals else None
+
+    def advance(self, until: float) -> list[EngineRequest]:
+        """Complete every segment that ends by `until`; return requests finished so far.
+        A planned decode run that ends later stays planned (an arrival may still cut it)."""
+        while True:
+            self._admit_arrivals()
+            if self._plan is None and self.now > until:
+                break  # the driver may still deliver arrivals up to our clock: don't plan yet
+            if self._plan is None and not self._make_plan():
+                nxt = self._arrivals[0][0] if self._arrivals else None
+                if nxt is not None and nxt <= until:
+                    self._idle_to(nxt)
+                    continue
+                self._idle_to(max(self.now, until))
+                break
+            if self._plan.end > until:
+                break
+            self._complete()
+        done, self._done = self._done, []
+        return done
+
+    def run_until_idle(self, limit: float = float("inf")) -> list[EngineRequest]:
+        """Advance until nothing is left (or `limit`); for tests and benchmarks."""
+        done: list[EngineRequest] = []
+        while self.has_unfinished():
+            t = self.next_event_time()
+            if t is None or t > limit:
+                break
+            done += self.advance(t)
+        return done
+
+    def _idle_to(self, t: float) -> None:
+        if t > self.now:
+            self._kv_integral += self.kv.pool.usage() * (t - self.now)
+            self.now = t
+
+    def _admit_arrivals(self) -> None:
+        arr = self._arrivals
+        while arr and arr[0][0] <= self.now:
+            self.scheduler.waiting.append(heapq.heappop(arr)[2])
+        if self._pending_aborts and self._plan is None:
+            self._apply_aborts()
+
+    # -- planning ------------------------------------------------------------------------
+    def _make_plan(self) -> bool:
+        sch = self.scheduler
+        if not sch.running and not sch.waiting:
+            return False
+        run = self._plan_decode_run() if self.bulk else None
+        if run is not None:
+            self._plan = run
+            return True
+        step = sch.schedule()
+        if not step.scheduled:
+            raise RuntimeError(f"scheduler made no progress: {sch.running[:3]} {list(sch.waiting)[:3]}")
+        self._plan = _Step(self.now, step, self.now + step.duration)
+        return True
+
+    def _plan_decode_run(self) -> _DecodeRun | None:
+        sch = self.scheduler
+        running = sch.running
+        if not running:
+            return None
+        batch = self._decode_batch
+        if batch is not None and batch[0] == running:
+            _, L, nb, left = batch  # the batch a decode run left behind, still decoding
+        else:
+            tokens, blocks, remaining = [], [], []
+            for r in running:
+                t = r.num_tokens
+                if r.num_output_tokens == 0 or r.num_computed_tokens != t - 1:
+                    return None
+                tokens.append(t)
+                blocks.append(len(r.blocks))
+                remaining.append(r.stop_len - r.num_output_tokens)
+            L = np.array(tokens, dtype=np.int64)
+            nb = np.array(blocks, dtype=np.int64)
+            left = np.array(remaining, dtype=np.int64)
+        kv = self.kv
+        bs = self.block_size
+        free = kv.pool.num_free
+        if sch.waiting and len(running) < self.profile.max_num_seqs:
+            head = sch.waiting[0]
+            hits = kv.get_computed_blocks(head) if head.num_computed_tokens == 0 else []
+            if kv.can_allocate(head, head.num_tokens - len(hits) * bs, hits):
+                return None  # the next step admits it: plan that step on its own
+        n = len(running)
+        k = int(left.min())
+
+        def need(j: int) -> int:  # new blocks for steps 0..j
+            return int(np.maximum(0, (L + j + bs - 1) // bs - nb).sum())
+
+        if need(0) > free:
+            return self._plan_preempting_decode_step(L, nb, left)
+        if need(k - 1) > free:
+            lo, hi = 0, k - 1  # need(lo) fits, need(hi) does not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if need(mid) <= free:
+                    lo = mid
+                else:
+                    hi = mid
+            k = lo + 1
+        p = self.profile
+        ctx = int(L.sum()) - n  # decode context = computed tokens = num_tokens − 1 each
+        base = p.t0 + (p.t_seq + p.a) * n + p.b * ctx
+        run = _DecodeRun(self.now, k, list(running), base, p.b * n, 0.0, tokens=L, blocks=nb, left=left)
+        if self._arrivals:
+            k = min(k, self._steps_before(run, self._arrivals[0][0]))
+            run.k = k
+        run.end = self.now + run.elapsed(k)
+        return run
+
+    def _plan_preempting_decode_step(self, L: np.ndarray, nb: np.ndarray, left: np.ndarray) -> _DecodeRun:
+        """One all-decode step that is short of blocks, in closed form: exactly what
+        `Scheduler.schedule()` does — pop the last running request until the needs of those
+        left fit — without walking the batch in Python."""
+        sch = self.scheduler
+        running = sch.running
+        bs = self.block_size
+        cum = np.cumsum(np.maximum(0, (L + bs - 1) // bs - nb))
+        victims = []
+        m = len(running)
+        while m > 0 and int(cum[m - 1]) > self.kv.pool.num_free:
+            victim = running.pop()
+            sch.preempt(victim)
+            victims.append(victim)
+            m -= 1
+        p = self.profile
+        ctx = int(L[:m].sum()) - m
+        run = _DecodeRun(self.now, 1, list(running), p.t0 + (p.t_seq + p.a) * m + p.b * ctx,
+                         p.b * m, 0.0, tokens=L[:m], blocks=nb[:m], left=left[:m],
+                         preempted=len(victims))
+        run.end = self.now + run.elapsed(1) if m else self.now
+        return run
+
+    @staticmethod
+    def _steps_before(run: _DecodeRun, t: float) -> int:
+        """How many of the run's steps start before time t (at least 1: the run starts now)."""
+        span = t - run.start
+        lo, hi = 1, run.k  # elapsed(lo − 1) < span always (span > 0 or the run starts now)
+        if run.elapsed(hi - 1) < span:
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if run.elapsed(mid - 1) < span:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _cut_decode_run(self, t: float) -> None:
+        """An arrival or abort at time t: apply the planned run's steps that start before t."""
+        run = self._plan
+        if not isinstance(run, _DecodeRun):
+            return
+        if t <= run.start:
+            if not run.preempted:
+                self._plan = None  # nothing happened yet: re-plan with the newcomer
+            return
+        k = self._steps_before(run, t)
+        if k < run.k:
+            run.k = k
+            run.end = run.start + run.elapsed(k)
+        self._complete()
+
+    # -- applying segments ---------------------------------------------------------------
+    def _complete(self) -> None:
+        plan = self._plan
+        u0 = self.kv.pool.usage()
+        if isinstance(plan, _DecodeRun):
+            finished = self._apply_decode_run(plan)
+        else:
+            finished = self._apply_step(plan)
+        dt = plan.end - self.now
+        self._busy += dt
+        self._kv_integral += 0.5 * (u0 + self.kv.pool.usage()) * dt
+        self.now = plan.end
+        self._plan = None
+        for req in finished:
+            self._finish(req)
+        self._apply_aborts()
+
+    def _apply_decode_run(self, run: _DecodeRun) -> list[EngineRequest]:
+        k = run.k
+        bs = self.block_size
+        reqs = run.reqs
+        get_new_blocks = self.kv.pool.get_new_blocks
+        # Slots for num_tokens + k − 1 tokens: the last step feeds the token before the newest.
+        n_new = (run.tokens + (k - 2)) // bs + 1 - run.blocks
+        for i in np.flatnonzero(n_new > 0).tolist():
+            reqs[i].blocks.extend(get_new_blocks(int(n_new[i])))
+        for r in reqs:
+            r.num_computed_tokens += k
+            r.num_output_tokens += k
+            r.num_tokens += k
+        left = run.left - k
+        done = np.flatnonzero(left <= 0).tolist()
+        finished = [reqs[i] for i in done]
+        # What the next plan would rebuild from the requests, carried over in array form.
+        keep = left > 0
+        survivors = [r for r in reqs if r.num_output_tokens < r.stop_len] if done else reqs
+        self._decode_batch = (survivors, (run.tokens + k)[keep],
+                              (run.blocks + np.maximum(n_new, 0))[keep], left[keep])
+        self._generation_tokens += k * len(run.reqs)
+        self._preemptions += run.preempted
+        self._steps += k
+        return finished
+
+    def _apply_step(self, plan: _Step) -> list[EngineRequest]:
+        self._decode_batch = None
+        step = plan.step
+        for queried, hit, preempted in step.lookups:
+            if preempted:
+                self._p_queries += queried
+                self._p_hits += hit
+            else:
+                self._queries += queried
+                self._hits += hit
+        self._preemptions += len(step.preempted)
+        finished = []
+        for req, n in step.scheduled:
+            if req.status is not RequestStatus.running:
+                continue
+            req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens:
+                if req.num_output_tokens == 0:
+                    req.first_token_time = plan.end
+                    self._prompt_tokens += req.num_prompt_tokens
+                req.num_output_tokens += 1
+                req.num_tokens += 1
+                self._generation_tokens += 1
+                if req.num_output_tokens >= req.stop_len:
+                    finished.append(req)
+        self._steps += 1
+        return finished
+
+    def _finish(self, req: EngineRequest, reason: FinishReason | None = None) -> None:
+        sch = self.scheduler
+        if req.status is RequestStatus.running:
+            sch.running.remove(req)
+        elif req in sch.waiting:
+            sch.waiting.remove(req)
+        self.kv.free(req)
+        if reason is None:
+            capped = req.stop_len == req.max_tokens or req.num_tokens >= self.max_model_len
+            reason = FinishReason.length if capped or req.ignore_eos else FinishReason.stop
+        req.status = RequestStatus.finished
+        req.finish_reason = reason
+        req.finish_time = self.now
+        self._finished_by_reason[reason] += 1
+        self.requests.pop(req.request_id, None)
+        self._done.append(req)
+
+    def _apply_aborts(self) -> None:
+        if not self._pending_aborts:
+            return
+        self._decode_batch = None
+        for rid in sorted(self._pending_aborts):
+            req = self.requests.get(rid)
+            if req is not None:
+                self._arrivals = [a for a in self._arrivals if a[2] is not req]
+                heapq.heapify(self._arrivals)
+                self._finish(req, FinishReason.abort)
+        self._pending_aborts.clear()
+
+    # -- observation ---------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            now=self.now,
+            kv_usage=self.kv.pool.usage(),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self._arrivals),
+            num_preemptions_total=self._preemptions,
+            prefix_queries_total=self._queries,
+            prefix_hits_total=self._hits,
+            preempted_prefix_queries_total=self._p_queries,
+            preempted_prefix_hits_total=self._p_hits,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens,
+            num_gpu_blocks=self.num_gpu_blocks,
+            block_size=self.block_size,
+            requests_finished_total=dict(self._finished_by_reason),
+            steps_total=self._steps,
+            busy_time=self._busy,
+            kv_usage_integral=self._kv_integral,
+        )
+
+    def check_invariants(self) -> None:
+        """Assert the cache and scheduler invariants (tests call this after every step)."""
+        self.kv.pool.check_invariants()
+        sch = self.scheduler
+        held = sum(len(r.blocks) for r in sch.running)
+        assert held <= self.num_gpu_blocks - 1
+        assert len(sch.running) <= self.profile.max_num_seqs
+        for r in sch.running:
+            assert r.status is RequestStatus.running
+            assert r.num_computed_tokens <= r.num_tokens
+            assert len(r.blocks) * self.block_size >= r.num_computed_tokens
+            assert r.num_output_tokens <= r.stop_len
+        for r in sch.waiting:
+            assert not r.blocks and r.num_computed_tokens == 0

@@ -1,0 +1,93 @@
+"""A request inside the simulated engine, with vLLM v1's token accounting."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from sim.engine.block_pool import Block
+
+
+class FinishReason(StrEnum):
+    length = "length"  # reached max_tokens (or max_model_len)
+    stop = "stop"  # end of sequence
+    abort = "abort"  # aborted by the client
+
+
+class RequestStatus(StrEnum):
+    waiting = "waiting"  # in the waiting queue, never scheduled
+    running = "running"  # in the running list (prefill may be partial)
+    preempted = "preempted"  # evicted by recompute preemption; back at the front of waiting
+    finished = "finished"
+
+
+class EngineRequest:
+    """A completion request. Fields after `arrival_time` are the engine's to change.
+
+    Token accounting (as vLLM's Request): num_tokens = prompt + output so far; the engine has
+    KV for the first num_computed_tokens of them. A request in decode has
+    num_computed_tokens == num_tokens − 1 (its last sampled token is not fed yet).
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "max_tokens", "output_len", "ignore_eos", "seed",
+        "arrival_time", "stop_len", "num_prompt_tokens", "num_output_tokens",
+        "num_computed_tokens", "blocks", "block_hashes", "status", "num_cached_tokens",
+        "num_preemptions", "first_token_time", "finish_time", "finish_reason", "token_seed",
+        "_output_ids", "scheduled_time", "num_cached_blocks", "vocab_size", "num_tokens",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
+                 output_len: int | None = None, ignore_eos: bool = False, seed: int | None = None,
+                 arrival_time: float = 0.0) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.max_tokens = max_tokens
+        self.output_len = output_len  # `sim_output_len`: the EOS position if the caller knows it
+        self.ignore_eos = ignore_eos
+        self.seed = seed
+        self.arrival_time = arrival_time
+        # Engine state.
+        self.stop_len = 0  # output tokens at which it will finish (set on add)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_output_tokens = 0
+        self.num_tokens = self.num_prompt_tokens  # prompt + output; kept in step with num_output_tokens
+        self.num_computed_tokens = 0
+        self.blocks: list[Block] = []
+        self.block_hashes: list[int] = []  # chained hashes of full blocks known so far
+        self.status = RequestStatus.waiting
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling (vLLM reports this)
+        self.num_preemptions = 0
+        self.first_token_time: float | None = None
+        self.scheduled_time: float | None = None
+        self.finish_time: float | None = None
+        self.finish_reason: FinishReason | None = None
+        self.token_seed = 0  # seeds output token ids (set on add)
+        self.vocab_size = 151_936  # the engine's vocabulary (set on add)
+        self.num_cached_blocks = 0  # leading blocks of `blocks` already offered to the cache
+        self._output_ids: list[int] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.finished
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated ids so far (materialised on demand: they are a pure function of
+        the request's seed and position)."""
+        from sim.engine.sampling import output_token_ids
+
+        ids = self._output_ids
+        if ids is None or len(ids) < self.num_output_tokens:
+            have = [] if ids is None else ids
+            ids = have + output_token_ids(self.token_seed, len(have), self.num_output_tokens,
+                                          self.vocab_size)
+            self._output_ids = ids
+        return ids[: self.num_output_tokens]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __repr__(self) -> str:
+        return (f"EngineRequest({self.request_id!r}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}/{self.stop_len}, computed={self.num_computed_tokens}, "
+                f"blocks={len(self.blocks)}, {self.status})")

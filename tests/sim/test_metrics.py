@@ -1,0 +1,183 @@
+"""Every metric on numbers small enough to work out by hand (the arithmetic is in the comments)."""
+
+import pytest
+
+from broker.session import Session
+from sim.metrics import (
+    EngineCounters,
+    IterationRecord,
+    KvSample,
+    SessionRecord,
+    Trainer,
+    kv_utilisation,
+    latency_percentile,
+    mean_iteration_time,
+    mixture_drift,
+    prefix_hit_rate,
+    quotas,
+    summarize,
+    throughput,
+)
+from sim.workloads import SessionTruth, SimSession
+from sim.workloads.source import TraceSource
+
+
+def rec(sid, workload="a", enq=0.0, fin=1.0, out=10):
+    return SessionRecord(sid, workload, enq, enq, enq, fin, 5, out, 0, 1)
+
+
+def it(index, start, done, **consumed):
+    return IterationRecord(index, start, done, tuple(sorted(consumed.items())), ())
+
+
+def test_throughput_counts_sessions_finished_in_the_span():
+    sessions = [rec("x", fin=2, out=100), rec("y", fin=5, out=300), rec("z", fin=11, out=1000)]
+    # Span [0, 10]: x and y finished in it → (100 + 300) / 10 = 40 tok/s, 2 / 10 = 0.2 sessions/s.
+    assert throughput(sessions, 0.0, 10.0) == (40.0, 0.2)
+    with pytest.raises(ValueError, match="span"):
+        throughput(sessions, 5.0, 5.0)
+
+
+def test_mean_iteration_time():
+    # Durations 4 − 0 = 4 and 10 − 4 = 6 → mean 5.
+    assert mean_iteration_time([it(0, 0, 4, a=1), it(1, 4, 10, a=1)]) == 5.0
+
+
+def test_mixture_drift():
+    # B = 8: |6/8 − 0.5| = 0.25, |2/8 − 0.3| = 0.05, |0 − 0.2| = 0.2 → ½ · 0.5 = 0.25.
+    assert mixture_drift({"rlvr": 6, "rlhf": 2}, {"rlvr": 0.5, "rlhf": 0.3, "agentic": 0.2}) == pytest.approx(0.25)
+    assert mixture_drift({"a": 5, "b": 5}, {"a": 0.5, "b": 0.5}) == 0.0
+    assert mixture_drift({"c": 3}, {"a": 1.0}) == 1.0
+
+
+def test_prefix_hit_rate_is_fleet_tokens_not_a_mean_of_rates():
+    engines = [EngineCounters("e0", 1000, 600, 0), EngineCounters("e1", 3000, 400, 2)]
+    # (600 + 400) / (1000 + 3000) = 0.25 (the mean of per-engine rates would be 0.367).
+    assert prefix_hit_rate(engines) == 0.25
+    assert prefix_hit_rate([]) == 0.0
+
+
+def test_kv_utilisation_is_time_weighted():
+    samples = [KvSample(4, "a", 1.0), KvSample(0, "a", 0.5), KvSample(2, "b", 0.4)]
+    # [0, 8]: a = (0.5·4 + 1.0·4) / 8 = 0.75; b = (0·2 + 0.4·6) / 8 = 0.3 → mean 0.525.
+    assert kv_utilisation(samples, 0, 8) == pytest.approx(0.525)
+    # [2, 6]: a = (0.5·2 + 1.0·2) / 4 = 0.75; b = 0.4 → mean 0.575.
+    assert kv_utilisation(samples, 2, 6) == pytest.approx(0.575)
+
+
+def test_latency_percentiles_interpolate_linearly():
+    sessions = [rec(str(i), enq=1.0, fin=1.0 + x) for i, x in enumerate([4, 1, 10, 2, 3])]
+    # Sorted 1, 2, 3, 4, 10. p50 = 3. p99: rank 0.99·4 = 3.96 → 4 + 0.96·(10 − 4) = 9.76.
+    assert latency_percentile(sessions, 50) == 3.0
+    assert latency_percentile(sessions, 99) == pytest.approx(9.76)
+
+
+def test_summarize_combines_the_definitions():
+    sessions = [rec("x", "a", enq=0, fin=2, out=30), rec("y", "b", enq=1, fin=4, out=50)]
+    m = summarize(sessions, [it(0, 0, 4, a=1, b=1)], [EngineCounters("e", 10, 5, 3)],
+                  [KvSample(0, "e", 0.2)], {"a": 0.5, "b": 0.5}, 0.0, 4.0)
+    # 80 tok / 4 s = 20; 2 / 4 = 0.5 sessions/s; latencies 2 and 3 → p50 2.5, p99 2 + 0.99 = 2.99.
+    assert (m.tokens_per_s, m.sessions_per_s, m.mean_iteration_s) == (20.0, 0.5, 4.0)
+    assert (m.mean_drift, m.prefix_hit_rate, m.preemptions, m.kv_utilisation) == (0.0, 0.5, 3, 0.2)
+    assert (m.latency_p50_s, m.latency_p99_s) == (2.5, pytest.approx(2.99))
+
+
+def test_quotas_by_largest_remainder():
+    assert quotas(10, {"a": 0.5, "b": 0.3, "c": 0.2}) == {"a": 5, "b": 3, "c": 2}
+    # 8 → 4, 2.4, 1.6: floors 4 + 2 + 1 = 7; the one left goes to the largest remainder (c, .6).
+    assert quotas(8, {"a": 0.5, "b": 0.3, "c": 0.2}) == {"a": 4, "b": 2, "c": 2}
+    # 3 → 1.5, 1.5: tie → the first name.
+    assert quotas(3, {"b": 0.5, "a": 0.5}) == {"a": 2, "b": 1}
+
+
+def _sim(workload, group, member, size):
+    sid = f"{workload}{group}-{member}"
+    session = Session(session_id=sid, workload=workload, group_id=f"{workload}{group}",
+                      group_size=size, prompt_token_ids=[1, 2, 3], max_tokens=8)
+    truth = SessionTruth((4,), (False,), (), (), 0.0, 1, 100)
+    return SimSession(session=session, truth=truth)
+
+
+class FakeSource:
+    """Workload a comes in groups of 2, b in groups of 1; `limit` groups of each."""
+
+    def __init__(self, limit=100):
+        self.drawn = {"a": 0, "b": 0}
+        self.limit = limit
+
+    def next_group(self, w):
+        i = self.drawn[w]
+        if i >= self.limit:
+            return None
+        self.drawn[w] += 1
+        size = 2 if w == "a" else 1
+        return tuple(_sim(w, i, m, size) for m in range(size))
+
+    def recorded(self):
+        return ()
+
+
+def _ids(sessions):
+    return [s.session_id for s in sessions]
+
+
+def test_fifo_trainer_refills_the_buffer_in_mixture_order():
+    t = Trainer(FakeSource(), mode="fifo", batch_size=2, mixture={"a": 0.5, "b": 0.5},
+                inflight_bound=4, iterations=3)
+    # Keys (enqueued_w + group) / π_w: b 2 < a 4 → b0; a 4 = b 4 → a0 (name); b 4 < a 8 → b1;
+    # then b2 would make 5 > 4 outstanding → stop.
+    assert _ids(t.enqueue(0.0)) == ["b0-0", "a0-0", "a0-1", "b1-0"]
+    assert t.outstanding == 4
+    assert t.on_result(rec("a0-1", "a"), 1.0) == []
+    (first,) = t.on_result(rec("b0-0", "b"), 2.0)
+    assert (first.index, first.started_at, first.done_at) == (0, 0.0, 2.0)
+    assert first.consumed == (("a", 1), ("b", 1)) and first.session_ids == ("a0-1", "b0-0")
+    # 2 outstanding: b2 (key 6 < 8) fits; then a1 (tie at 8, name) needs 2 more → 5 > 4, stop.
+    assert _ids(t.enqueue(2.0)) == ["b2-0"]
+    assert t.consumed == {"a": 1, "b": 1}
+
+
+def test_fifo_trainer_stops_enqueuing_at_iterations_times_b():
+    t = Trainer(FakeSource(), mode="fifo", batch_size=2, mixture={"a": 0.5, "b": 0.5},
+                inflight_bound=100, iterations=1)
+    # Needs 2 results: b0 (1 enqueued) then a0 (3) — a group is never split.
+    assert _ids(t.enqueue(0.0)) == ["b0-0", "a0-0", "a0-1"]
+    t.on_result(rec("b0-0", "b"), 1.0)
+    t.on_result(rec("a0-0", "a"), 2.0)
+    assert t.done and t.enqueue(3.0) == []
+    assert t.on_result(rec("a0-1", "a"), 4.0) == [] and len(t.iterations) == 1
+
+
+def test_quota_trainer_waits_for_each_workload_and_keeps_extras():
+    t = Trainer(FakeSource(), mode="quota", batch_size=4, mixture={"a": 0.5, "b": 0.5},
+                inflight_bound=100, iterations=2)
+    assert t.quota == {"a": 2, "b": 2}
+    for i, sid in enumerate(["a0-0", "a0-1", "a1-0"]):
+        assert t.on_result(rec(sid, "a"), float(i)) == []
+    assert t.on_result(rec("b0-0", "b"), 3.0) == []
+    (first,) = t.on_result(rec("b1-0", "b"), 4.0)
+    assert first.session_ids == ("a0-0", "a0-1", "b0-0", "b1-0")
+    # a1-0 is kept: the next iteration needs one more a and two b.
+    t.on_result(rec("b2-0", "b"), 5.0)
+    t.on_result(rec("b3-0", "b"), 6.0)
+    (second,) = t.on_result(rec("a1-1", "a"), 7.0)
+    assert second.session_ids == ("a1-0", "a1-1", "b2-0", "b3-0")
+    assert (second.started_at, second.done_at, second.duration) == (4.0, 7.0, 3.0)
+    assert t.done and t.consumed == {"a": 4, "b": 4}
+
+
+def test_quota_trainer_enqueues_quota_w_per_iteration_of_each():
+    t = Trainer(FakeSource(), mode="quota", batch_size=4, mixture={"a": 0.5, "b": 0.5},
+                inflight_bound=100, iterations=2)
+    sessions = t.enqueue(0.0)
+    # Needs 2·2 = 4 of each: a in two groups of 2, b in four groups of 1.
+    assert t.enqueued == {"a": 4, "b": 4} and len(sessions) == 8
+
+
+def test_trainer_stalls_when_a_finite_source_runs_dry():
+    src = TraceSource([_sim("b", 0, 0, 1)])
+    t = Trainer(src, mode="fifo", batch_size=2, mixture={"b": 1.0}, inflight_bound=4, iterations=1)
+    assert _ids(t.enqueue(0.0)) == ["b0-0"]
+    assert not t.stalled()  # one result still outstanding
+    t.on_result(rec("b0-0", "b"), 1.0)
+    assert t.stalled() and not t.done
