@@ -259,12 +259,16 @@ class EngineCore:
         kv = self.kv
         bs = self.block_size
         free = kv.pool.num_free
-        if sch.waiting and len(running) < self.profile.max_num_seqs:
+        n = len(running)
+        budget = self.profile.max_num_batched_tokens - n  # what a decode step leaves for waiting
+        if budget < 0:
+            return None  # not every running request fits a step: let schedule() pick
+        if sch.waiting and budget > 0 and n < self.profile.max_num_seqs:
             head = sch.waiting[0]
             hits = kv.get_computed_blocks(head) if head.num_computed_tokens == 0 else []
-            if kv.can_allocate(head, head.num_tokens - len(hits) * bs, hits):
+            # schedule() admits a chunk of at most `budget` tokens, not the whole prompt.
+            if kv.can_allocate(head, min(head.num_tokens - len(hits) * bs, budget), hits):
                 return None  # the next step admits it: plan that step on its own
-        n = len(running)
         k = int(left.min())
 
         def need(j: int) -> int:  # new blocks for steps 0..j
