@@ -90,6 +90,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.num_gpu_blocks, p.block_size, self.max_model_len)
         self.scheduler = Scheduler(p, self.kv)
         self.now = 0.0
+        self._clock = 0.0  # the latest `until` the driver has advanced to
         self.requests: dict[str, EngineRequest] = {}  # unfinished, by id
         self._arrivals: list[tuple[float, int, EngineRequest]] = []
         self._seq = itertools.count()
@@ -182,6 +183,8 @@ class EngineCore:
     def advance(self, until: float) -> list[EngineRequest]:
         """Complete every segment that ends by `until`; return requests finished so far.
         A planned decode run that ends later stays planned (an arrival may still cut it)."""
+        if until > self._clock:
+            self._clock = until
         while True:
             self._admit_arrivals()
             if self._plan is None and self.now > until:
@@ -319,30 +322,40 @@ class EngineCore:
         return run
 
     @staticmethod
-    def _steps_before(run: _DecodeRun, t: float) -> int:
-        """How many of the run's steps start before time t (at least 1: the run starts now)."""
+    def _steps_before(run: _DecodeRun, t: float, inclusive: bool = False) -> int:
+        """How many of the run's steps start before time t (at or before it if `inclusive`);
+        at least 1: the run starts now."""
         span = t - run.start
-        lo, hi = 1, run.k  # elapsed(lo − 1) < span always (span > 0 or the run starts now)
-        if run.elapsed(hi - 1) < span:
+
+        def starts_in(j: int) -> bool:  # does step j (0-based) start before t?
+            e = run.elapsed(j)
+            return e <= span if inclusive else e < span
+
+        lo, hi = 1, run.k  # step 0 counts (it starts now)
+        if starts_in(hi - 1):
             return hi
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if run.elapsed(mid - 1) < span:
+            if starts_in(mid - 1):
                 lo = mid
             else:
                 hi = mid
         return lo
 
     def _cut_decode_run(self, t: float) -> None:
-        """An arrival or abort at time t: apply the planned run's steps that start before t."""
+        """An arrival or abort at time t: apply the planned run's steps that start before t,
+        and every step that starts by the driver's clock — those are already in flight (the
+        step-by-step path has planned them), so the event lands after them."""
         run = self._plan
         if not isinstance(run, _DecodeRun):
             return
-        if t <= run.start:
+        if t <= run.start and self._clock < run.start:
             if not run.preempted:
                 self._plan = None  # nothing happened yet: re-plan with the newcomer
             return
         k = self._steps_before(run, t)
+        if self._clock >= run.start:
+            k = max(k, self._steps_before(run, self._clock, inclusive=True))
         if k < run.k:
             run.k = k
             run.end = run.start + run.elapsed(k)
