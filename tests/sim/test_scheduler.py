@@ -46,7 +46,7 @@ def test_chunked_prefill_of_a_long_prompt():
     chunks = [[(r.request_id, n) for r, n in step.scheduled] for _, step in trace(core)]
     # 100 tokens under a 32-token budget: 32, 32, 32, 4; then 2 decodes for outputs 2 and 3.
     assert chunks == [[("p", 32)], [("p", 32)], [("p", 32)], [("p", 4)], [("p", 1)], [("p", 1)]]
-    done = core.run_until_idle()
+    core.run_until_idle()
     assert core.stats().steps_total == 6
 
 
@@ -73,6 +73,7 @@ def test_admission_is_fcfs_and_stops_at_the_first_request_that_does_not_fit():
     core = EngineCore(ONE_SEC, bulk=False)
     # R: 100-token prompt, prefilled in steps 0–3 (32+32+32+4) into 7 blocks (112 slots), and
     # 5 outputs (first at t=4, then steps 4–7) → finishes at t=8 without needing an 8th block.
+    scheduled_reqs = []
     core.add_request(req("R", range(1, 101), 5))
     # At t=4: W1 (40 tokens) would take a 31-token chunk = 2 blocks, but 1 block is free;
     # W2 (10 tokens, 1 block) would fit, yet FCFS stops at W1.
@@ -80,6 +81,7 @@ def test_admission_is_fcfs_and_stops_at_the_first_request_that_does_not_fit():
     core.add_request(req("W2", range(300, 310), 2, at=4.0))
     seen = {}
     for start, step in trace(core):
+        scheduled_reqs += [r for r, _ in step.scheduled if r not in scheduled_reqs]
         seen[start] = [(r.request_id, n) for r, n in step.scheduled]
         if start == 4.0:
             w2 = core.scheduler.waiting[1]
@@ -91,8 +93,10 @@ def test_admission_is_fcfs_and_stops_at_the_first_request_that_does_not_fit():
     assert seen[8.0] == [("W1", 32)]
     # t=9: W1's last 8 tokens, then W2's prompt.
     assert seen[9.0] == [("W1", 8), ("W2", 10)]
-    done = {r.request_id: r for r in core.run_until_idle()}
+    done = {r.request_id: r for r in scheduled_reqs}
     assert core.stats().num_preemptions_total == 0
+    # W1: 1st output at t=10, 2nd at t=11; W2 likewise (its 10 tokens ran at t=9).
+    assert (done["W1"].finish_time, done["W2"].finish_time, done["R"].finish_time) == (11.0, 11.0, 8.0)
 
 
 def test_the_last_running_request_is_preempted_and_recompute_reuses_its_prefix():
