@@ -90,6 +90,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.num_gpu_blocks, p.block_size, self.max_model_len)
         self.scheduler = Scheduler(p, self.kv)
         self.now = 0.0
+        self._clock = 0.0  # the latest `until` the driver has advanced to
         self.requests: dict[str, EngineRequest] = {}  # unfinished, by id
         self._arrivals: list[tuple[float, int, EngineRequest]] = []
         self._seq = itertools.count()
@@ -182,6 +183,8 @@ class EngineCore:
     def advance(self, until: float) -> list[EngineRequest]:
         """Complete every segment that ends by `until`; return requests finished so far.
         A planned decode run that ends later stays planned (an arrival may still cut it)."""
+        if until > self._clock:
+            self._clock = until
         while True:
             self._admit_arrivals()
             if self._plan is None and self.now > until:
@@ -259,12 +262,16 @@ class EngineCore:
         kv = self.kv
         bs = self.block_size
         free = kv.pool.num_free
-        if sch.waiting and len(running) < self.profile.max_num_seqs:
+        n = len(running)
+        budget = self.profile.max_num_batched_tokens - n  # what a decode step leaves for waiting
+        if budget < 0:
+            return None  # not every running request fits a step: let schedule() pick
+        if sch.waiting and budget > 0 and n < self.profile.max_num_seqs:
             head = sch.waiting[0]
             hits = kv.get_computed_blocks(head) if head.num_computed_tokens == 0 else []
-            if kv.can_allocate(head, head.num_tokens - len(hits) * bs, hits):
+            # schedule() admits a chunk of at most `budget` tokens, not the whole prompt.
+            if kv.can_allocate(head, min(head.num_tokens - len(hits) * bs, budget), hits):
                 return None  # the next step admits it: plan that step on its own
-        n = len(running)
         k = int(left.min())
 
         def need(j: int) -> int:  # new blocks for steps 0..j
@@ -315,30 +322,40 @@ class EngineCore:
         return run
 
     @staticmethod
-    def _steps_before(run: _DecodeRun, t: float) -> int:
-        """How many of the run's steps start before time t (at least 1: the run starts now)."""
+    def _steps_before(run: _DecodeRun, t: float, inclusive: bool = False) -> int:
+        """How many of the run's steps start before time t (at or before it if `inclusive`);
+        at least 1: the run starts now."""
         span = t - run.start
-        lo, hi = 1, run.k  # elapsed(lo − 1) < span always (span > 0 or the run starts now)
-        if run.elapsed(hi - 1) < span:
+
+        def starts_in(j: int) -> bool:  # does step j (0-based) start before t?
+            e = run.elapsed(j)
+            return e <= span if inclusive else e < span
+
+        lo, hi = 1, run.k  # step 0 counts (it starts now)
+        if starts_in(hi - 1):
             return hi
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if run.elapsed(mid - 1) < span:
+            if starts_in(mid - 1):
                 lo = mid
             else:
                 hi = mid
         return lo
 
     def _cut_decode_run(self, t: float) -> None:
-        """An arrival or abort at time t: apply the planned run's steps that start before t."""
+        """An arrival or abort at time t: apply the planned run's steps that start before t,
+        and every step that starts by the driver's clock — those are already in flight (the
+        step-by-step path has planned them), so the event lands after them."""
         run = self._plan
         if not isinstance(run, _DecodeRun):
             return
-        if t <= run.start:
+        if t <= run.start and self._clock < run.start:
             if not run.preempted:
                 self._plan = None  # nothing happened yet: re-plan with the newcomer
             return
         k = self._steps_before(run, t)
+        if self._clock >= run.start:
+            k = max(k, self._steps_before(run, self._clock, inclusive=True))
         if k < run.k:
             run.k = k
             run.end = run.start + run.elapsed(k)
