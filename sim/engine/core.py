@@ -118,8 +118,9 @@ class EngineCore:
         if req.max_tokens < 1:
             raise ValueError(f"max_tokens: must be at least 1, got {req.max_tokens}")
         vocab = self.profile.vocab_size
-        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        lo, hi = min(req.prompt_token_ids), max(req.prompt_token_ids)
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
             raise ValueError(f"prompt: token id {bad} is out of vocabulary (size {vocab})")
         n = len(req.prompt_token_ids)
         if n + req.max_tokens > self.max_model_len:
