@@ -30,8 +30,10 @@ def _text(v: bytes | str) -> str:
 
 def _first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
-    field = ".".join(str(p) for p in err.get("loc", ())) or "session"
-    return f"{field}: {err.get('msg', 'invalid')}"
+    msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    field = ".".join(str(p) for p in err.get("loc", ()))
+    # A whole-model check has no location; its message starts with the field it is about.
+    return f"{field}: {msg}" if field else msg
 
 
 def validate_batch(
