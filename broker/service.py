@@ -92,6 +92,7 @@ class BrokerService:
         self._workloads: tuple[str, ...] = ()
         self._last_result_id = "0-0"
         self._completions: list[Completion] = []
+        self._backend_ids: tuple[str, ...] = ()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> None:
@@ -131,7 +132,7 @@ class BrokerService:
                 raise
         last = self._client.xrevrange(self.keys.results, count=1)
         self._last_result_id = last[0][0].decode() if last else "0-0"
-        fleet = read_fleet(self._client, self.keys)
+        fleet = self._read_fleet()
         self._refresh_workloads(fleet.workloads)
         for w in self._workloads:
             for stream, front in ((self.keys.requeue(w), True), (self.keys.pending(w), False)):
@@ -191,7 +192,7 @@ class BrokerService:
         block_ms = max(1, int(self.lease.renew_interval_s * 1000)) if block else None
         reply = self._client.xreadgroup(BROKER_GROUP, self.consumer, streams,
                                         count=self.settings.read_count, block=block_ms)
-        events = []
+        events: list[bytes] = []
         for stream_b, entries in reply or []:
             stream = stream_b.decode()
             if stream == self.keys.events:
@@ -200,28 +201,32 @@ class BrokerService:
             front = stream.startswith(self.keys.prefix + "requeue:")
             for entry_id, fields in entries:
                 self._hold(stream, entry_id, fields, front)
-        if events:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.xack(self.keys.events, BROKER_GROUP, *events)
-            pipe.xdel(self.keys.events, *events)
-            pipe.execute()
-        self._read_completions()
-        fleet = read_fleet(self._client, self.keys)
+        fleet = self._read_fleet(events)
         self._refresh_workloads(fleet.workloads)
         if not self._reap_dead(fleet):
             return None
         self._load_meta(fleet)
         return fleet
 
-    def _read_completions(self) -> None:
-        reply = self._client.xread({self.keys.results: self._last_result_id}, count=10000)
-        for _, entries in reply or []:
-            for entry_id, fields in entries:
-                self._last_result_id = entry_id.decode()
-                c = completion_from_entry(fields)
-                if c is not None:
-                    self._completions.append(c)
-                    self._meta.pop(c.session_id, None)
+    def _read_fleet(self, ack_events: list[bytes] | None = None) -> FleetRead:
+        """The fleet in one round trip (two when a backend registered since the last read);
+        new results become completions for the policy."""
+        fleet = read_fleet(self._client, self.keys, self._backend_ids, self._last_result_id,
+                           ack_events or ())
+        self._take_completions(fleet)
+        if fleet.backend_index != self._backend_ids:
+            self._backend_ids = fleet.backend_index
+            fleet = read_fleet(self._client, self.keys, self._backend_ids, self._last_result_id)
+            self._take_completions(fleet)
+        return fleet
+
+    def _take_completions(self, fleet: FleetRead) -> None:
+        for entry_id, fields in fleet.results:
+            self._last_result_id = entry_id
+            c = completion_from_entry(fields)
+            if c is not None:
+                self._completions.append(c)
+                self._meta.pop(c.session_id, None)
 
     def _load_meta(self, fleet: FleetRead) -> None:
         """Metadata of resident sessions this broker did not admit itself (after a takeover)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import redis
 
 from broker.heartbeat import HeartbeatRecord, parse_heartbeat
-from broker.keys import Keys
+from broker.keys import BROKER_GROUP, Keys
 from broker.ledger import LedgerState, parse_ledger
 from broker.policies.base import (
     BackendView,
@@ -32,41 +32,56 @@ def _text(v: bytes | str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class FleetRead:
-    """Everything the broker reads from Redis for one decision, as of one pipeline."""
+    """Everything the broker reads from Redis for one decision, as of one MULTI."""
 
+    backend_index: tuple[str, ...]  # the backends set now; ledgers cover the ids asked for
     workloads: tuple[str, ...]
     ledgers: Mapping[str, LedgerState]
     heartbeats: Mapping[str, HeartbeatRecord | None]
     mixture: Mapping[str, float]
     consumed: Mapping[str, int]
+    results: tuple[tuple[str, Mapping], ...] = ()  # results-stream entries after `results_after`
 
 
-def read_fleet(client: redis.Redis, keys: Keys) -> FleetRead:
-    backend_ids = sorted(_text(b) for b in client.smembers(keys.backends))
+def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
+               results_after: str | None = None, ack_events: Sequence[bytes] = ()) -> FleetRead:
+    """One round trip: the index sets, mixture, consumed, each listed backend's ledger and
+    heartbeat, new results (if `results_after`), and the broker's ack of the events it woke on.
+    A caller whose `backend_ids` differ from the returned `backend_index` reads again."""
     pipe = client.pipeline(transaction=True)
+    pipe.smembers(keys.backends)
     pipe.smembers(keys.workloads)
     pipe.hgetall(keys.mixture)
     pipe.hgetall(keys.consumed)
+    pipe.xread({keys.results: results_after or "$"}, count=10000)
+    if ack_events:
+        pipe.xack(keys.events, BROKER_GROUP, *ack_events)
+        pipe.xdel(keys.events, *ack_events)
     for b in backend_ids:
         pipe.hgetall(keys.ledger(b))
         pipe.hgetall(keys.ledger_sessions(b))
         pipe.get(keys.heartbeat(b))
     replies = pipe.execute()
-    workloads, mixture, consumed = replies[0], replies[1], replies[2]
+    index, workloads, mixture, consumed, results = replies[:5]
+    per_backend = replies[7:] if ack_events else replies[5:]
     ledgers: dict[str, LedgerState] = {}
     beats: dict[str, HeartbeatRecord | None] = {}
     for i, b in enumerate(backend_ids):
-        fields, sessions, hb = replies[3 + 3 * i: 6 + 3 * i]
+        fields, sessions, hb = per_backend[3 * i: 3 * i + 3]
         state = parse_ledger(b, fields, sessions)
         if state is not None:
             ledgers[b] = state
             beats[b] = parse_heartbeat(hb)
+    entries = tuple((_text(eid), f) for _, es in (results or []) for eid, f in es) \
+        if results_after else ()
     return FleetRead(
+        backend_index=tuple(sorted(_text(b) for b in index)),
         workloads=tuple(sorted(_text(w) for w in workloads)),
         ledgers=ledgers,
         heartbeats=beats,
         mixture={_text(k): float(v) for k, v in mixture.items()},
         consumed={_text(k): int(v) for k, v in consumed.items()},
+        results=entries,
     )
 
 
