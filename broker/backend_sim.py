@@ -77,14 +77,16 @@ class SimulatedBackend:
                 self.link.register(self.capacity_tokens, self.max_model_len)
                 continue
             now = time.monotonic()
-            for a in fresh:
-                if self.link.mark_running(a.session.session_id):
+            ok = self.link.mark_running_many([a.session.session_id for a in fresh])
+            for a, run in zip(fresh, ok):
+                if run:
                     self._running[a.session.session_id] = (a, now)
             if not self.hold and self._beating.is_set():
                 self._finish_due(time.monotonic())
 
     def _finish_due(self, now: float) -> None:
         due = [sid for sid, (_, t0) in self._running.items() if now - t0 >= self.service_s]
+        batch = []
         for sid in due:
             a, _ = self._running.pop(sid)
             s = a.session
@@ -92,10 +94,10 @@ class SimulatedBackend:
                                    status=SessionState.done, turns=1,
                                    prompt_tokens=s.prompt_len_hint,
                                    output_tokens=self.output_tokens, policy_version=s.policy_version)
-            reply = self.link.finish(result, CompletionStats(
-                turn_output_tokens=[self.output_tokens],
-                kv_token_seconds=a.reserved_tokens * self.service_s))
+            batch.append((result, CompletionStats(turn_output_tokens=[self.output_tokens],
+                                                  kv_token_seconds=a.reserved_tokens * self.service_s)))
+        for (result, _), reply in zip(batch, self.link.finish_many(batch)):
             if reply == "ok":
-                self.finished.append(sid)
+                self.finished.append(result.session_id)
             else:
-                self.refused.append((sid, reply))
+                self.refused.append((result.session_id, reply))

@@ -137,6 +137,29 @@ class BrokerService:
         for w in self._workloads:
             for stream, front in ((self.keys.requeue(w), True), (self.keys.pending(w), False)):
                 self._claim_backlog(stream, front)
+        self._drop_stale_events()
+
+    def _drop_stale_events(self) -> None:
+        """Wake-ups a dead broker read but never acked: claim, ack and delete them (they only
+        meant "look again", which a new broker does anyway), then forget idle consumers."""
+        start = "0-0"
+        while True:
+            reply = self._client.xautoclaim(self.keys.events, BROKER_GROUP, self.consumer,
+                                            min_idle_time=0, start_id=start, count=1000)
+            nxt = reply[0]
+            entries = [e[0] for e in reply[1]] + list(reply[2] if len(reply) > 2 else [])
+            if entries:
+                self._client.xack(self.keys.events, BROKER_GROUP, *entries)
+                self._client.xdel(self.keys.events, *entries)
+            start = nxt.decode() if isinstance(nxt, bytes) else nxt
+            if start == "0-0":
+                break
+        for stream in [self.keys.events] + [
+                s for w in self._workloads for s in (self.keys.requeue(w), self.keys.pending(w))]:
+            for c in self._client.xinfo_consumers(stream, BROKER_GROUP):
+                name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+                if name != self.consumer and int(c["pending"]) == 0:
+                    self._client.xgroup_delconsumer(stream, BROKER_GROUP, name)
 
     def _claim_backlog(self, stream: str, front: bool) -> None:
         start = "0-0"

@@ -122,28 +122,47 @@ class WorkerLink:
 
     def mark_running(self, session_id: str, now: float | None = None) -> bool:
         """True: run it. False: it was cancelled, finished or moved away; drop it."""
-        reply = as_text(self._scripts.mark_running(
-            keys=[self.keys.session(session_id)],
-            args=[self.backend_id, repr(time.time() if now is None else now)]))
-        return reply == "ok"
+        return self.mark_running_many([session_id], now)[0]
+
+    def mark_running_many(self, session_ids: Sequence[str], now: float | None = None) -> list[bool]:
+        """`mark_running` for several sessions in one round trip."""
+        at = repr(time.time() if now is None else now)
+        pipe = self._client.pipeline(transaction=False)
+        for sid in session_ids:
+            self._scripts.mark_running(keys=[self.keys.session(sid)], args=[self.backend_id, at],
+                                       client=pipe)
+        return [as_text(r) == "ok" for r in pipe.execute()] if session_ids else []
 
     def finish(self, result: SessionResult, stats: CompletionStats | None = None,
                now: float | None = None) -> str:
         """Publish the session's result. Returns 'ok', 'duplicate' or 'stale' (not published)."""
+        return self.finish_many([(result, stats)], now)[0]
+
+    def finish_many(self, finished: Sequence[tuple[SessionResult, CompletionStats | None]],
+                    now: float | None = None) -> list[str]:
+        """`finish` for several sessions in one round trip; one reply per session, in order."""
+        now = time.time() if now is None else now
+        pipe = self._client.pipeline(transaction=False)
+        for result, stats in finished:
+            self._finish(result, stats, now, pipe)
+        return [as_text(r) for r in pipe.execute()] if finished else []
+
+    def _finish(self, result: SessionResult, stats: CompletionStats | None, now: float,
+                pipe: redis.client.Pipeline) -> None:
         if result.status not in (SessionState.done, SessionState.failed):
             raise ValueError(f"status: a worker finishes with done or failed, not {result.status!r}")
         if result.backend_id not in (None, self.backend_id):
             raise ValueError(f"backend_id: result names {result.backend_id!r}, not this backend")
         stats = stats or CompletionStats()
-        now = time.time() if now is None else now
         result = result.model_copy(update={"backend_id": self.backend_id,
                                            "finished_at": result.finished_at or now})
         k, b = self.keys, self.backend_id
-        return as_text(self._scripts.finish(
+        self._scripts.finish(
             keys=[k.session(result.session_id), k.ledger(b), k.ledger_sessions(b), k.admitted(b),
                   k.results, k.events, k.kv_seconds],
             args=[result.session_id, b, result.status.value, result.model_dump_json(),
-                  stats.model_dump_json(), repr(now), repr(stats.kv_token_seconds)]))
+                  stats.model_dump_json(), repr(now), repr(stats.kv_token_seconds)],
+            client=pipe)
 
 
 class BackendReclaimed(RuntimeError):
