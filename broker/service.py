@@ -333,6 +333,9 @@ class BrokerService:
         k, token = self.keys, self.lease.token
         pipe = self._client.pipeline(transaction=False)
         placed: list[tuple[dict[str, _Held], _Held, str]] = []
+        # A router baseline forwards everything and lets the engine queue: the ledger charges
+        # its sessions but does not hold them back, or the baseline would be secretly admitted.
+        enforce = "0" if self.policy.dispatch_on_arrival else "1"
         for adm in decision.admissions:
             found = self._find(adm.session_id)
             if found is None or adm.backend_id not in ledgers:
@@ -345,7 +348,7 @@ class BrokerService:
                 keys=[k.lease, k.session(adm.session_id), k.ledger(b), k.ledger_sessions(b),
                       k.heartbeat(b), k.admitted(b), held.entry.stream],
                 args=[token, adm.session_id, b, int(adm.reserved_tokens), held.entry.entry_id,
-                      repr(now)],
+                      repr(now), enforce],
                 client=pipe)
             placed.append((queue, held, b))
         for b, alpha in decision.alpha.items():

@@ -5,10 +5,12 @@
 -- KEYS[7] = the stream the entry came from (rb:{ns}:pending:<w> or rb:{ns}:requeue:<w>)
 -- ARGV[1] = lease token   ARGV[2] = sid   ARGV[3] = backend id   ARGV[4] = reserved tokens
 -- ARGV[5] = source entry id   ARGV[6] = now (unix seconds)
+-- ARGV[7] = '1' to enforce the limit (admission policies); '0' for a router baseline that
+--           dispatches on arrival and lets the engine queue (it is charged, never refused)
 -- Returns 'ok', or an expected refusal: 'lease' (caller is not the active broker),
 -- 'not_pending' (cancelled or already placed; its stale entry is acked), 'no_backend',
 -- 'unhealthy' (no fresh heartbeat), 'no_capacity', 'bad_charge'.
--- Invariants, all or nothing: after 'ok', reserved <= floor(alpha * capacity) on the backend,
+-- Invariants, all or nothing: after 'ok' with ARGV[7] = '1', reserved <= floor(alpha * capacity),
 -- reserved == sum of the backend's per-session reservations == sum of its w:<workload> fields,
 -- and the session is in exactly one place: acked+deleted from its source stream, present in
 -- admitted:<b>, state 'admitted'. After a refusal nothing has changed (except a stale ack).
@@ -35,7 +37,7 @@ end
 local capacity = tonumber(led[1])
 local alpha = tonumber(led[2] or '1')
 local reserved = tonumber(led[3] or '0')
-if reserved + charge > math.floor(alpha * capacity) then
+if ARGV[7] ~= '0' and reserved + charge > math.floor(alpha * capacity) then
   return 'no_capacity'
 end
 local sid = ARGV[2]

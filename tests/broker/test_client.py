@@ -78,7 +78,7 @@ def publish(redis_url, namespace, redis_client, n: int, workloads=("rlvr",)) -> 
             sid = f[b"sid"].decode()
             s.admit(keys=[k.lease, k.session(sid), k.ledger("b0"), k.ledger_sessions("b0"),
                           k.heartbeat("b0"), k.admitted("b0"), k.pending(w)],
-                    args=["T", sid, "b0", 10, eid, "1.0"])
+                    args=["T", sid, "b0", 10, eid, "1.0", "1"])
     for x in sessions:
         assert link.finish(SessionResult(session_id=x.session_id, workload=x.workload,
                                          status=SessionState.done)) == "ok"

@@ -128,7 +128,7 @@ def test_admit_script_is_atomic_under_racing_callers(redis_url, namespace, redis
             outcomes.append(as_text(s.admit(
                 keys=[k.lease, k.session(sid), k.ledger(b), k.ledger_sessions(b),
                       k.heartbeat(b), k.admitted(b), k.pending("rlvr")],
-                args=["T", sid, b, rng.randint(1, 20), eid, "1.0"])))
+                args=["T", sid, b, rng.randint(1, 20), eid, "1.0", "1"])))
         r.close()
 
     threads = [threading.Thread(target=racer, args=(i,)) for i in range(8)]

@@ -40,12 +40,12 @@ class World:
         return {e[1][b"sid"].decode(): e[0].decode() for e in (reply[0][1] if reply else [])}
 
     def admit(self, sid: str, b: str, charge: int, entry: str, token: str = TOKEN,
-              workload: str = "rlvr") -> str:
+              workload: str = "rlvr", enforce: str = "1") -> str:
         k = self.k
         return as_text(self.s.admit(
             keys=[k.lease, k.session(sid), k.ledger(b), k.ledger_sessions(b), k.heartbeat(b),
                   k.admitted(b), k.pending(workload)],
-            args=[token, sid, b, charge, entry, "1.0"]))
+            args=[token, sid, b, charge, entry, "1.0", enforce]))
 
     def reserved(self, b: str) -> int:
         return self.ledger.read(b).reserved_tokens
@@ -114,6 +114,15 @@ def test_admit_respects_alpha(world):
     e = world.read_pending()
     assert world.admit("s0", "b0", 150, e["s0"]) == "ok"
     assert world.admit("s1", "b0", 1, e["s1"]) == "no_capacity"
+
+
+def test_router_dispatch_is_charged_but_not_limited(world):
+    world.backend("b0", capacity=100)
+    world.q.enqueue([make_session(i) for i in range(2)])
+    e = world.read_pending()
+    assert world.admit("s0", "b0", 90, e["s0"], enforce="0") == "ok"
+    assert world.admit("s1", "b0", 90, e["s1"], enforce="0") == "ok"
+    assert world.reserved("b0") == 180
 
 
 def test_finish_publishes_once_and_releases(world):
