@@ -132,17 +132,28 @@ class PendingEntry:
     entry_id: str
     session: Session
     front: bool  # came from the requeue stream: goes before the workload's pending entries
+    enqueued_at: float  # unix seconds when the trainer enqueued it
 
 
 def decode_entry(stream: str, entry_id: str, fields: Mapping, front: bool) -> PendingEntry | str:
-    """The entry, or the reason it cannot be read (the caller dead-letters it)."""
-    f = {_text(k): v for k, v in fields.items()}
-    if "sid" not in f or "session" not in f:
+    """The entry, or the reason it cannot be read (the caller dead-letters it).
+
+    Fields arrive with bytes keys from a client that does not decode responses."""
+    sid = fields.get(b"sid", fields.get("sid"))
+    body = fields.get(b"session", fields.get("session"))
+    if sid is None or body is None:
         return "entry has no 'sid' or no 'session' field"
     try:
-        session = Session.model_validate_json(f["session"])
+        session = Session.model_validate_json(body)
     except ValidationError as exc:
         return f"session JSON does not validate: {_first_error(exc)}"
-    if session.session_id != _text(f["sid"]):
-        return f"sid {_text(f['sid'])!r} does not match session_id {session.session_id!r}"
-    return PendingEntry(stream=stream, entry_id=entry_id, session=session, front=front)
+    if session.session_id != _text(sid):
+        return f"sid {_text(sid)!r} does not match session_id {session.session_id!r}"
+    # A pending entry's id is its enqueue time (ms); a requeued one carries the original time.
+    stamp = fields.get(b"enqueued_at", fields.get("enqueued_at"))
+    try:
+        enqueued_at = float(stamp) if stamp is not None else int(entry_id.split("-")[0]) / 1000.0
+    except ValueError:
+        return f"enqueued_at {stamp!r} is not a number"
+    return PendingEntry(stream=stream, entry_id=entry_id, session=session, front=front,
+                        enqueued_at=enqueued_at)

@@ -6,7 +6,7 @@
 -- Returns the number of sessions requeued, or 'lease' / 'alive' (heartbeat back: do nothing).
 -- Invariant: each listed session still admitted/running on this backend moves, in one step,
 -- from the backend's ledger to the front of its workload (the requeue stream) with state
--- 'pending'; its reservation is released exactly. When the backend has no sessions left its
+-- 'pending' (the entry keeps the original enqueue time); its reservation is released exactly. When the backend has no sessions left its
 -- admitted stream is dropped (a returning worker registers again).
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 'lease'
@@ -18,7 +18,7 @@ local moved = 0
 local n = (#KEYS - 6) / 2
 for i = 1, n do
   local skey, rkey, sid = KEYS[5 + 2 * i], KEYS[6 + 2 * i], ARGV[3 + i]
-  local st = redis.call('HMGET', skey, 'state', 'backend', 'workload', 'session')
+  local st = redis.call('HMGET', skey, 'state', 'backend', 'workload', 'session', 'enqueued_at')
   local charge = redis.call('HGET', KEYS[4], sid)
   if charge then
     redis.call('HDEL', KEYS[4], sid)
@@ -28,7 +28,8 @@ for i = 1, n do
     end
   end
   if (st[1] == 'admitted' or st[1] == 'running') and st[2] == ARGV[2] then
-    local id = redis.call('XADD', rkey, '*', 'sid', sid, 'session', st[4])
+    local id = redis.call('XADD', rkey, '*', 'sid', sid, 'session', st[4],
+      'enqueued_at', st[5] or ARGV[3])
     redis.call('HSET', skey, 'state', 'pending', 'pending_entry', id, 'requeued_at', ARGV[3])
     redis.call('HDEL', skey, 'backend', 'reserved', 'admitted_at', 'admitted_entry', 'running_at')
     moved = moved + 1

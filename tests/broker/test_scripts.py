@@ -186,6 +186,7 @@ def test_reclaim_requeues_at_front_and_releases(world, redis_client):
     assert world.state("s1") == world.state("s2") == "pending"
     requeued = redis_client.xrange(k.requeue("rlvr"))
     assert [f[b"sid"] for _, f in requeued] == [b"s1", b"s2"]
+    assert requeued[0][1][b"enqueued_at"] == redis_client.hget(k.session("s1"), "enqueued_at")
     assert not redis_client.exists(k.admitted("b0"))
     assert link.finish(result("s2")) == "stale"  # the zombie worker cannot publish
 
