@@ -233,3 +233,31 @@ def test_heartbeat_needs_registration_and_expires(world, redis_client):
     link.heartbeat(METRICS)
     ttl = redis_client.pttl(world.k.heartbeat("b9"))
     assert 0 < ttl <= 500
+
+
+def test_restarted_worker_gets_its_unfinished_backlog_first(world):
+    link = world.backend("b0")
+    world.q.enqueue([make_session(i) for i in range(3)])
+    e = world.read_pending()
+    for i in range(3):
+        world.admit(f"s{i}", "b0", 5, e[f"s{i}"])
+    assert len(link.read_admitted(count=10, block_ms=None)) == 3
+    assert link.finish(result("s0")) == "ok"
+    link.close()  # crash with s1, s2 read but unfinished
+    again = WorkerLink(world.url, world.ns, "b0")
+    backlog = again.read_admitted(count=1, block_ms=None) + again.read_admitted(count=1, block_ms=None)
+    assert [a.session.session_id for a in backlog] == ["s1", "s2"]
+    assert again.read_admitted(count=10, block_ms=50) == []
+
+
+def test_cancel_while_running_means_the_worker_cannot_publish(world):
+    from broker.client import RolloutClient
+    link = world.backend("b0")
+    world.q.enqueue([make_session(1)])
+    world.admit("s1", "b0", 5, world.read_pending()["s1"])
+    assert link.mark_running("s1")
+    client = RolloutClient(world.url, world.ns)
+    assert client.cancel("s1") == "cancelled"
+    assert link.finish(result("s1")) == "duplicate"
+    assert world.r.xlen(world.k.results) == 0 and world.reserved("b0") == 0
+    client.close()
