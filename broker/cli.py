@@ -36,5 +36,30 @@ def sim_engine(
           seed=seed, model_name=model_name)
 
 
+@app.command("broker")
+def broker(
+    redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
+    namespace: Annotated[str, typer.Option(help="key namespace (one RL job)")] = "default",
+    policy: Annotated[str, typer.Option(help="policy name, or package.module:factory")] = "least_loaded",
+    lease_s: Annotated[float, typer.Option(help="lease period; a standby takes over within 4/3 of it")] = 5.0,
+    window: Annotated[int, typer.Option(help="pending sessions per workload shown to the policy")] = 1024,
+    log_level: Annotated[str, typer.Option(help="logging level")] = "INFO",
+) -> None:
+    """Run the broker: active while it holds the namespace's lease, standby otherwise."""
+    import logging
+    import signal
+    import threading
+
+    from broker.service import BrokerService, BrokerSettings, load_policy
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    service = BrokerService(redis_url, namespace, load_policy(policy),
+                            BrokerSettings(lease_period_s=lease_s, window=window))
+    service.run(stop)
+
+
 if __name__ == "__main__":
     app()
