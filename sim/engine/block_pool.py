@@ -84,7 +84,7 @@ class BlockPool:
         for b in blocks:
             if b.ref_cnt == 0:
                 del free[b.block_id]
-                if b.block_hash in watched:
+                if watched and b.block_hash in watched:
                     self.watch_dirty = True
             b.ref_cnt += 1
 
@@ -116,7 +116,7 @@ class BlockPool:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 free[b.block_id] = b
-                if b.block_hash in watched:
+                if watched and b.block_hash in watched:
                     self.watch_dirty = True
 
     def cache_block(self, block: Block, block_hash: int) -> None:

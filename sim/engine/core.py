@@ -118,7 +118,9 @@ class EngineCore:
         if req.max_tokens < 1:
             raise ValueError(f"max_tokens: must be at least 1, got {req.max_tokens}")
         vocab = self.profile.vocab_size
-        lo, hi = min(req.prompt_token_ids), max(req.prompt_token_ids)
+        # Tokens under caller-supplied prefix hashes were checked when they were first sent.
+        fresh = req.prompt_token_ids[len(req.block_hashes) * self.block_size:] or req.prompt_token_ids
+        lo, hi = min(fresh), max(fresh)
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
             raise ValueError(f"prompt: token id {bad} is out of vocabulary (size {vocab})")
@@ -386,8 +388,14 @@ class EngineCore:
         get_new_blocks = self.kv.pool.get_new_blocks
         # Slots for num_tokens + k − 1 tokens: the last step feeds the token before the newest.
         n_new = (run.tokens + (k - 2)) // bs + 1 - run.blocks
-        for i in np.flatnonzero(n_new > 0).tolist():
-            reqs[i].blocks.extend(get_new_blocks(int(n_new[i])))
+        needy = np.flatnonzero(n_new > 0)
+        if len(needy):
+            counts = n_new[needy].tolist()
+            fresh = get_new_blocks(sum(counts))
+            pos = 0
+            for i, c in zip(needy.tolist(), counts):
+                reqs[i].blocks.extend(fresh[pos:pos + c])
+                pos += c
         for r in reqs:
             r.num_computed_tokens += k
             r.num_output_tokens += k
