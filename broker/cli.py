@@ -61,5 +61,28 @@ def broker(
     service.run(stop)
 
 
+@app.command("bench")
+def bench(
+    scenario: Annotated[str, typer.Option(help="scenario YAML (see scenarios/)")],
+    policies: Annotated[str, typer.Option(help="comma-separated policy names")] = "round_robin,least_loaded,power_of_two,cache_aware",
+    seed: Annotated[Optional[int], typer.Option(help="override the scenario's seed")] = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="write every metric per policy here")] = None,
+    plots: Annotated[Optional[str], typer.Option(help="write PNG plots into this directory")] = None,
+    jobs: Annotated[int, typer.Option(help="policies simulated in parallel processes")] = 1,
+    sweep_iterations: Annotated[Optional[int], typer.Option(help="iterations per cache_aware_swept grid point")] = None,
+) -> None:
+    """Simulate policies side by side on a scenario and compare them (DESIGN §6)."""
+    from sim.bench_cli import bench as run_bench
+    from sim.bench_cli import parse_policies
+    from sim.fleet import SimulationError
+    from sim.scenario import ScenarioError
+
+    try:
+        run_bench(scenario, parse_policies(policies), seed, json_out, plots, jobs, sweep_iterations)
+    except (ScenarioError, SimulationError, ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
 if __name__ == "__main__":
     app()

@@ -95,7 +95,7 @@ class FleetResult:
 
 
 class FleetSim:
-    def __init__(self, scenario: Scenario, policy: Policy, source: SessionSource, *,
+    def __init__(self, scenario: Scenario, policy: Policy | None, source: SessionSource, *,
                  heartbeat_s: float = 1.0,
                  on_iteration: Callable[[IterationRecord], None] | None = None) -> None:
         self.scenario = scenario
@@ -131,8 +131,14 @@ class FleetSim:
         self._dirty = True  # something changed that the policy may act on
         self.decide_calls = 0
 
+    def true_output_lengths(self, session_id: str) -> tuple[int, ...]:
+        """The hidden truth, for the `oracle` reference policy only (the bench wires it in)."""
+        return self.live[session_id].sim.truth.output_tokens
+
     # -- driving ---------------------------------------------------------------------------
     def run(self) -> FleetResult:
+        if self.policy is None:
+            raise SimulationError("policy: set a policy before running the simulation")
         limits = self.scenario.limits
         wall0 = time.monotonic()
         self._enqueue_from_trainer()
