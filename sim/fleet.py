@@ -125,6 +125,7 @@ class FleetSim:
         self.telemetry: dict[str, Telemetry] = {}
         self.completions: list[Completion] = []
         self.records: list[SessionRecord] = []
+        self.enqueued: list[tuple[SimSession, float]] = []  # every session, with when (for traces)
         self.kv_samples: list[KvSample] = []
         self._events: list[tuple[float, int, int, str]] = []
         self._seq = itertools.count()
@@ -191,6 +192,7 @@ class FleetSim:
     # -- the trainer side ------------------------------------------------------------------
     def _enqueue_from_trainer(self) -> None:
         for sim in self.trainer.enqueue(self.now):
+            self.enqueued.append((sim, self.now))
             live = _Live(sim, enqueued_at=self.now, history=list(sim.session.prompt_token_ids))
             self.live[sim.session_id] = live
             self._make_pending(live)
