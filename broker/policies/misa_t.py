@@ -57,6 +57,10 @@ class MisaTConfig:
     deficit_gain: float = 1.0  # σ_w scales by 1 + gain·relative consumed deficit, in [0.5, 2]
     locality_slack: float = 0.15  # prefer a prefix match only within this utilisation of the least used
     recharge_tolerance: float = 0.05  # re-charge only when a charge moves by more than this fraction
+    # Re-evaluate a session's charge once it has produced this many tokens more (~6 s of decode
+    # at ~40 tok/s), its turn or parking changed, or recheck_s passed (a tool wait ageing).
+    recheck_tokens: int = 256
+    recheck_s: float = 5.0
     # Re-prefill price (the h200-30b-a3b profile's a and c; DESIGN §5): seconds of engine step
     # time per recomputed token and per (query, key) pair of that recompute.
     prefill_s_per_token: float = 15e-6
@@ -74,7 +78,9 @@ class _Track:
     turn: int = -1  # last turn number seen in a heartbeat
     turn_base: int = 0  # generated_tokens when that turn was first seen (its progress origin)
     parked_since: float | None = None  # first heartbeat time seen waiting on a tool
-    context_peak: int = 0
+    checked_tokens: int = -1  # generated_tokens when the charge was last computed
+    checked_parked: bool = False  # waiting_on_tool then
+    checked_at: float = 0.0  # heartbeat time then
 
 
 @dataclass(slots=True)
@@ -120,9 +126,9 @@ class MisaT(Policy):
         decision = Decision()
         for c in snapshot.new_completions:
             self._learn(c)
-        backends = self._account(snapshot, decision)
+        backends, used = self._account(snapshot, decision)
         if backends:
-            self._admit(snapshot, backends, decision)
+            self._admit(snapshot, backends, used, decision)
         return decision
 
     def _model(self, workload: str, max_tokens: int, max_turns: int) -> WorkloadModel:
@@ -140,8 +146,12 @@ class MisaT(Policy):
         self._tracks.pop(c.session_id, None)
 
     # -- accounting and α ----------------------------------------------------------------
-    def _account(self, snapshot: Snapshot, decision: Decision) -> list[_Backend]:
+    def _account(
+        self, snapshot: Snapshot, decision: Decision
+    ) -> tuple[list[_Backend], dict[str, float]]:
+        """Re-charge, adapt α; return the healthy backends and the KV charged per workload."""
         cfg = self.config
+        used: dict[str, float] = {}
         work_pending = any(snapshot.pending.values())
         present = set()
         out: list[_Backend] = []
@@ -155,13 +165,15 @@ class MisaT(Policy):
             reserved = 0.0
             hb = view.telemetry
             fresh = hb is not None and (b not in self._last_hb or hb.at > self._last_hb[b].at)
-            if fresh and cfg.residency_accounting:
-                for s in view.sessions:
-                    charge = self._recharge(s, view, snapshot.now, decision)
-                    reserved += charge
-            else:
-                for s in view.sessions:
-                    reserved += decision.recharge.get(s.session_id, s.reserved_tokens)
+            recharge = fresh and cfg.residency_accounting
+            for s in view.sessions:
+                charge = (
+                    self._recharge(s, view, snapshot.now, decision)
+                    if recharge
+                    else s.reserved_tokens
+                )
+                reserved += charge
+                used[s.workload] = used.get(s.workload, 0.0) + charge
             if fresh:
                 if cfg.adaptive_admission:
                     alpha = cfg.aimd.step(
@@ -182,15 +194,25 @@ class MisaT(Policy):
             if b not in present:
                 self.prefix.drop_backend(b)
                 self._last_hb.pop(b, None)
-        return out
+        return out, used
 
     def _recharge(
         self, s: ResidentSession, view: BackendView, now: float, decision: Decision
     ) -> float:
+        cfg = self.config
         track = self._tracks.get(s.session_id)
         if track is None:  # admitted by a previous broker incarnation: start tracking now
             track = _Track(view.backend_id, s.workload)
             self._tracks[s.session_id] = track
+        if (
+            s.generated_tokens - track.checked_tokens < cfg.recheck_tokens
+            and s.waiting_on_tool == track.checked_parked
+            and s.turn == track.turn
+            and now - track.checked_at < cfg.recheck_s
+        ):
+            return float(s.reserved_tokens)  # nothing moved enough to change the charge
+        track.checked_tokens, track.checked_parked, track.checked_at = (
+            s.generated_tokens, s.waiting_on_tool, now)
         charge = self.residency_charge(s, track, view, now)
         if abs(charge - s.reserved_tokens) > self.config.recharge_tolerance * max(
             s.reserved_tokens, 1
@@ -205,7 +227,6 @@ class MisaT(Policy):
         """The KV tokens session `s` should be charged now (DESIGN §4.1)."""
         if s.turn != track.turn:
             track.turn, track.turn_base = s.turn, s.generated_tokens
-        track.context_peak = max(track.context_peak, s.context_tokens)
         if s.max_turns <= 1:
             end = self.turn_output(s, 0, s.generated_tokens)
             return s.prompt_tokens + end
@@ -269,24 +290,28 @@ class MisaT(Policy):
                 out[w] = model.prompt_mean + model.max_tokens * model.max_turns
         return out
 
-    def _admit(self, snapshot: Snapshot, backends: list[_Backend], decision: Decision) -> None:
+    def _admit(
+        self,
+        snapshot: Snapshot,
+        backends: list[_Backend],
+        used: dict[str, float],
+        decision: Decision,
+    ) -> None:
         cfg = self.config
-        by_id = {b.view.backend_id: b for b in backends}
-        used: dict[str, float] = {}
-        for b in backends:
-            for s in b.view.sessions:
-                charge = decision.recharge.get(s.session_id, s.reserved_tokens)
-                used[s.workload] = used.get(s.workload, 0.0) + charge
-        # Follow-up turns go home first, whatever the limits say: they already hold KV there.
-        fresh: dict[str, list[PendingItem]] = {}
+        fresh: dict[str, Sequence[PendingItem]] = {}
         for w, items in snapshot.pending.items():
-            for item in items:
-                if item.turn == 0:
-                    fresh.setdefault(w, []).append(item)
-                elif item.home_backend in by_id:
-                    charge = self._charge(item)
-                    self._place(item, by_id[item.home_backend], charge, decision)
-                    used[w] = used.get(w, 0.0) + charge
+            if any(item.turn for item in items):
+                # Follow-up turns (router mode) go home first, whatever the limits say: their
+                # history is cached there.
+                by_id = {b.view.backend_id: b for b in backends}
+                for item in items:
+                    if item.turn and item.home_backend in by_id:
+                        charge = self._charge(item)
+                        self._place(item, by_id[item.home_backend], charge, decision)
+                        used[w] = used.get(w, 0.0) + charge
+                items = tuple(item for item in items if not item.turn)
+            if items:
+                fresh[w] = items
         if not fresh:
             return
         quota: dict[str, float] = {}
@@ -337,17 +362,18 @@ class MisaT(Policy):
         charges = [self._charge(it) for it in group]
         key = self._key(head) if self.config.prefix_placement else None
         if len(group) > 1:
-            target = self._choose(backends, sum(charges), key)
+            target, hit = self._choose(backends, sum(charges), key)
             if target is not None:
                 for it, ch in zip(group, charges):
-                    self._place(it, target, ch, decision, key)
+                    self._place(it, target, ch, decision, key, hit)
+                    hit = key.tokens[-1] if key is not None and key.tokens else 0
                 return len(group), sum(charges)
         taken, charged = 0, 0.0
         for it, ch in zip(group, charges):
-            target = self._choose(backends, ch, key)
+            target, hit = self._choose(backends, ch, key)
             if target is None:
                 break
-            self._place(it, target, ch, decision, key)
+            self._place(it, target, ch, decision, key, hit)
             taken, charged = taken + 1, charged + ch
         return taken, charged
 
@@ -363,15 +389,18 @@ class MisaT(Policy):
 
     def _choose(
         self, backends: list[_Backend], charge: float, key: PrefixKey | None
-    ) -> _Backend | None:
+    ) -> tuple[_Backend | None, int]:
+        """The backend for `charge` tokens, and how much of `key` it probably caches."""
         fits = [b for b in backends if b.headroom >= charge]
         if not fits:
-            return None
-        if key is None or not key.hashes:
-            return max(fits, key=lambda b: b.headroom)
+            return None, 0
+        matched = self.prefix.matches(key) if key is not None and key.hashes else None
+        if not matched:
+            return max(fits, key=lambda b: b.headroom), 0
         floor = min(b.reserved / b.limit for b in fits) + self.config.locality_slack
         near = [b for b in fits if b.reserved / b.limit <= floor]
-        return max(near, key=lambda b: (self.prefix.match(key, b.view.backend_id), b.headroom))
+        best = max(near, key=lambda b: (matched.get(b.view.backend_id, 0), b.headroom))
+        return best, matched.get(best.view.backend_id, 0)
 
     def _place(
         self,
@@ -380,13 +409,14 @@ class MisaT(Policy):
         charge: float,
         decision: Decision,
         key: PrefixKey | None = None,
+        hit: int = 0,
     ) -> None:
+        """Admit `item` to `target`; `hit` tokens of its prompt are probably cached there."""
         b = target.view.backend_id
         target.reserved += charge
         decision.admissions.append(Admission(item.session_id, b, int(charge)))
         self._tracks[item.session_id] = _Track(b, item.workload)
         if key is not None:
-            hit = self.prefix.match(key, b)
             self.prefix.insert(key, b, charge - hit)
 
 
