@@ -14,6 +14,11 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def main() -> None:
+    """Keeps subcommands named (`rollout-broker sim-engine ...`) while there is only one."""
+
+
 @app.command("sim-engine")
 def sim_engine(
     port: Annotated[int, typer.Option(help="TCP port to serve vLLM's HTTP API on")] = 8000,
@@ -29,6 +34,54 @@ def sim_engine(
 
     serve(host=host, port=port, profile=profile, time_scale=time_scale, kv_tokens=kv_tokens,
           seed=seed, model_name=model_name)
+
+
+@app.command("broker")
+def broker(
+    redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
+    namespace: Annotated[str, typer.Option(help="key namespace (one RL job)")] = "default",
+    policy: Annotated[str, typer.Option(help="policy name, or package.module:factory")] = "least_loaded",
+    lease_s: Annotated[float, typer.Option(help="lease period; a standby takes over within 4/3 of it")] = 5.0,
+    window: Annotated[int, typer.Option(help="pending sessions per workload shown to the policy")] = 1024,
+    log_level: Annotated[str, typer.Option(help="logging level")] = "INFO",
+) -> None:
+    """Run the broker: active while it holds the namespace's lease, standby otherwise."""
+    import logging
+    import signal
+    import threading
+
+    from broker.service import BrokerService, BrokerSettings, load_policy
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    service = BrokerService(redis_url, namespace, load_policy(policy),
+                            BrokerSettings(lease_period_s=lease_s, window=window))
+    service.run(stop)
+
+
+@app.command("bench")
+def bench(
+    scenario: Annotated[str, typer.Option(help="scenario YAML (see scenarios/)")],
+    policies: Annotated[str, typer.Option(help="comma-separated policy names")] = "round_robin,least_loaded,power_of_two,cache_aware",
+    seed: Annotated[Optional[int], typer.Option(help="override the scenario's seed")] = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="write every metric per policy here")] = None,
+    plots: Annotated[Optional[str], typer.Option(help="write PNG plots into this directory")] = None,
+    jobs: Annotated[int, typer.Option(help="policies simulated in parallel processes")] = 1,
+    sweep_iterations: Annotated[Optional[int], typer.Option(help="iterations per cache_aware_swept grid point")] = None,
+) -> None:
+    """Simulate policies side by side on a scenario and compare them (DESIGN §6)."""
+    from sim.bench_cli import bench as run_bench
+    from sim.bench_cli import parse_policies
+    from sim.fleet import SimulationError
+    from sim.scenario import ScenarioError
+
+    try:
+        run_bench(scenario, parse_policies(policies), seed, json_out, plots, jobs, sweep_iterations)
+    except (ScenarioError, SimulationError, ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 if __name__ == "__main__":

@@ -61,6 +61,10 @@ class BlockPool:
         self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[int, Block] = {}
         self.evictions = 0  # cached blocks whose hash was dropped on reuse
+        # A memo of one prefix lookup (KVCacheManager) depends on the blocks with these hashes:
+        # any change to whether they are cached or free sets `watch_dirty`.
+        self.watched: frozenset[int] | set[int] = frozenset()
+        self.watch_dirty = True
 
     @property
     def num_free(self) -> int:
@@ -76,9 +80,12 @@ class BlockPool:
     def touch(self, blocks: list[Block]) -> None:
         """Take a reference on cache hits; a hit on a free block pulls it out of the queue."""
         free = self.free
+        watched = self.watched
         for b in blocks:
             if b.ref_cnt == 0:
                 del free[b.block_id]
+                if watched and b.block_hash in watched:
+                    self.watch_dirty = True
             b.ref_cnt += 1
 
     def get_new_blocks(self, n: int) -> list[Block]:
@@ -93,6 +100,8 @@ class BlockPool:
                 if cached.get(b.block_hash) is b:
                     del cached[b.block_hash]
                     self.evictions += 1
+                if b.block_hash in self.watched:
+                    self.watch_dirty = True
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
@@ -102,10 +111,13 @@ class BlockPool:
         """Drop one reference from each; blocks reaching 0 join the tail in the given order
         (callers pass a request's blocks tail-first, so its last blocks are evicted first)."""
         free = self.free
+        watched = self.watched
         for b in ordered:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 free[b.block_id] = b
+                if watched and b.block_hash in watched:
+                    self.watch_dirty = True
 
     def cache_block(self, block: Block, block_hash: int) -> None:
         if block.block_hash is not None:
@@ -113,6 +125,8 @@ class BlockPool:
         if block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            if block_hash in self.watched:
+                self.watch_dirty = True
 
     def check_invariants(self) -> None:
         for b in self.blocks[1:]:

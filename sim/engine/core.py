@@ -90,6 +90,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.num_gpu_blocks, p.block_size, self.max_model_len)
         self.scheduler = Scheduler(p, self.kv)
         self.now = 0.0
+        self._clock = 0.0  # the latest `until` the driver has advanced to
         self.requests: dict[str, EngineRequest] = {}  # unfinished, by id
         self._arrivals: list[tuple[float, int, EngineRequest]] = []
         self._seq = itertools.count()
@@ -117,8 +118,11 @@ class EngineCore:
         if req.max_tokens < 1:
             raise ValueError(f"max_tokens: must be at least 1, got {req.max_tokens}")
         vocab = self.profile.vocab_size
-        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        # Tokens under caller-supplied prefix hashes were checked when they were first sent.
+        fresh = req.prompt_token_ids[len(req.block_hashes) * self.block_size:] or req.prompt_token_ids
+        lo, hi = min(fresh), max(fresh)
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
             raise ValueError(f"prompt: token id {bad} is out of vocabulary (size {vocab})")
         n = len(req.prompt_token_ids)
         if n + req.max_tokens > self.max_model_len:
@@ -182,6 +186,8 @@ class EngineCore:
     def advance(self, until: float) -> list[EngineRequest]:
         """Complete every segment that ends by `until`; return requests finished so far.
         A planned decode run that ends later stays planned (an arrival may still cut it)."""
+        if until > self._clock:
+            self._clock = until
         while True:
             self._admit_arrivals()
             if self._plan is None and self.now > until:
@@ -259,12 +265,16 @@ class EngineCore:
         kv = self.kv
         bs = self.block_size
         free = kv.pool.num_free
-        if sch.waiting and len(running) < self.profile.max_num_seqs:
+        n = len(running)
+        budget = self.profile.max_num_batched_tokens - n  # what a decode step leaves for waiting
+        if budget < 0:
+            return None  # not every running request fits a step: let schedule() pick
+        if sch.waiting and budget > 0 and n < self.profile.max_num_seqs:
             head = sch.waiting[0]
             hits = kv.get_computed_blocks(head) if head.num_computed_tokens == 0 else []
-            if kv.can_allocate(head, head.num_tokens - len(hits) * bs, hits):
+            # schedule() admits a chunk of at most `budget` tokens, not the whole prompt.
+            if kv.can_allocate(head, min(head.num_tokens - len(hits) * bs, budget), hits):
                 return None  # the next step admits it: plan that step on its own
-        n = len(running)
         k = int(left.min())
 
         def need(j: int) -> int:  # new blocks for steps 0..j
@@ -315,30 +325,40 @@ class EngineCore:
         return run
 
     @staticmethod
-    def _steps_before(run: _DecodeRun, t: float) -> int:
-        """How many of the run's steps start before time t (at least 1: the run starts now)."""
+    def _steps_before(run: _DecodeRun, t: float, inclusive: bool = False) -> int:
+        """How many of the run's steps start before time t (at or before it if `inclusive`);
+        at least 1: the run starts now."""
         span = t - run.start
-        lo, hi = 1, run.k  # elapsed(lo − 1) < span always (span > 0 or the run starts now)
-        if run.elapsed(hi - 1) < span:
+
+        def starts_in(j: int) -> bool:  # does step j (0-based) start before t?
+            e = run.elapsed(j)
+            return e <= span if inclusive else e < span
+
+        lo, hi = 1, run.k  # step 0 counts (it starts now)
+        if starts_in(hi - 1):
             return hi
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if run.elapsed(mid - 1) < span:
+            if starts_in(mid - 1):
                 lo = mid
             else:
                 hi = mid
         return lo
 
     def _cut_decode_run(self, t: float) -> None:
-        """An arrival or abort at time t: apply the planned run's steps that start before t."""
+        """An arrival or abort at time t: apply the planned run's steps that start before t,
+        and every step that starts by the driver's clock — those are already in flight (the
+        step-by-step path has planned them), so the event lands after them."""
         run = self._plan
         if not isinstance(run, _DecodeRun):
             return
-        if t <= run.start:
+        if t <= run.start and self._clock < run.start:
             if not run.preempted:
                 self._plan = None  # nothing happened yet: re-plan with the newcomer
             return
         k = self._steps_before(run, t)
+        if self._clock >= run.start:
+            k = max(k, self._steps_before(run, self._clock, inclusive=True))
         if k < run.k:
             run.k = k
             run.end = run.start + run.elapsed(k)
@@ -368,8 +388,14 @@ class EngineCore:
         get_new_blocks = self.kv.pool.get_new_blocks
         # Slots for num_tokens + k − 1 tokens: the last step feeds the token before the newest.
         n_new = (run.tokens + (k - 2)) // bs + 1 - run.blocks
-        for i in np.flatnonzero(n_new > 0).tolist():
-            reqs[i].blocks.extend(get_new_blocks(int(n_new[i])))
+        needy = np.flatnonzero(n_new > 0)
+        if len(needy):
+            counts = n_new[needy].tolist()
+            fresh = get_new_blocks(sum(counts))
+            pos = 0
+            for i, c in zip(needy.tolist(), counts):
+                reqs[i].blocks.extend(fresh[pos:pos + c])
+                pos += c
         for r in reqs:
             r.num_computed_tokens += k
             r.num_output_tokens += k

@@ -11,6 +11,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_gpu_blocks)
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self._memo_req: EngineRequest | None = None  # see get_computed_blocks
+        self._memo_hits: list[Block] = []
+        self._memo_evictable = 0
 
     # -- hashing -------------------------------------------------------------------------
     def extend_block_hashes(self, req: EngineRequest, upto_tokens: int) -> None:
@@ -28,15 +31,24 @@ class KVCacheManager:
     def get_computed_blocks(self, req: EngineRequest) -> list[Block]:
         """Longest run of cached full blocks from the start, capped at num_tokens − 1 tokens
         (the last token is always recomputed to get logits)."""
+        pool = self.pool
+        if req is self._memo_req and not pool.watch_dirty:
+            return self._memo_hits
         max_blocks = (req.num_tokens - 1) // self.block_size
         self.extend_block_hashes(req, max_blocks * self.block_size)
         hits: list[Block] = []
-        lookup = self.pool.cached.get
-        for h in req.block_hashes[:max_blocks]:
+        lookup = pool.cached.get
+        chain = req.block_hashes[:max_blocks]
+        for h in chain:
             b = lookup(h)
             if b is None:
                 break
             hits.append(b)
+        # Memo for the (usually blocked) head of the waiting queue, which the scheduler probes
+        # at every step: valid until a block of its chain changes cached or free state.
+        self._memo_req, self._memo_hits = req, hits
+        self._memo_evictable = sum(1 for b in hits if b.ref_cnt == 0)
+        pool.watched, pool.watch_dirty = set(chain), False
         return hits
 
     def blocks_to_allocate(self, req: EngineRequest, num_new_tokens: int,
@@ -45,7 +57,10 @@ class KVCacheManager:
         num_computed = req.num_computed_tokens + len(computed) * self.block_size
         slots = min(num_computed + num_new_tokens, self.max_model_len)
         n_new = max(0, -(-slots // self.block_size) - len(req.blocks) - len(computed))
-        evictable = sum(1 for b in computed if b.ref_cnt == 0)
+        if computed is self._memo_hits and not self.pool.watch_dirty:
+            evictable = self._memo_evictable
+        else:
+            evictable = sum(1 for b in computed if b.ref_cnt == 0)
         return n_new, evictable
 
     def can_allocate(self, req: EngineRequest, num_new_tokens: int, computed: list[Block] = ()) -> bool:

@@ -38,7 +38,11 @@ class EngineRequest:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
                  output_len: int | None = None, ignore_eos: bool = False, seed: int | None = None,
-                 arrival_time: float = 0.0) -> None:
+                 arrival_time: float = 0.0, prefix_block_hashes: list[int] | None = None) -> None:
+        """`prefix_block_hashes`: chained hashes of the prompt's leading full blocks when the
+        caller already has them — an in-process driver passes the previous turn's hashes for
+        the next turn of a conversation, so a long history is not hashed again. They must be
+        what `chain_hashes` gives for those tokens (the HTTP server never passes them)."""
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.max_tokens = max_tokens
@@ -53,7 +57,8 @@ class EngineRequest:
         self.num_tokens = self.num_prompt_tokens  # prompt + output; kept in step with num_output_tokens
         self.num_computed_tokens = 0
         self.blocks: list[Block] = []
-        self.block_hashes: list[int] = []  # chained hashes of full blocks known so far
+        # Chained hashes of full blocks known so far.
+        self.block_hashes: list[int] = list(prefix_block_hashes or ())
         self.status = RequestStatus.waiting
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling (vLLM reports this)
         self.num_preemptions = 0

@@ -73,9 +73,12 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             n = req.num_tokens - req.num_computed_tokens
-            if n == 1 and (len(req.blocks) * bs >= req.num_tokens or pool.num_free > 0):
+            if n == 1 and req.num_output_tokens > 0 and (
+                    len(req.blocks) * bs >= req.num_tokens or pool.num_free > 0):
                 # Decode fast path (same effect as allocate_slots for one new token; prompt
-                # blocks of a decoding request are all cached already).
+                # blocks of a decoding request are all cached already). A prefill whose last
+                # chunk is one token is not a decode: allocate_slots must cache its last
+                # prompt block now, as vLLM does, so requests admitted later in this step hit it.
                 if len(req.blocks) * bs < req.num_tokens:
                     req.blocks.extend(pool.get_new_blocks(1))
                 step.scheduled.append((req, 1))

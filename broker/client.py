@@ -1,0 +1,301 @@
+"""The trainer's client: enqueue sessions, set the mixture, read results, cancel, status.
+
+Usable from any process given a Redis URL and a namespace. Results are read through consumer
+group "trainer" under a stable consumer name: a batch handed back by `results()` is acked (and
+counted in `consumed`) when the next `results()` call starts, or on `ack()` / `close()`. A
+trainer that crashes before that gets the same batch again after restart; once acked, a result
+is never delivered again, and the finish script publishes at most one result per session, so
+each session reaches the trainer exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import redis
+
+from broker.keys import TRAINER_GROUP, Keys
+from broker.ledger import Ledger
+from broker.queue import SessionQueue, validate_batch
+from broker.scripts import Scripts, as_text
+from broker.session import DEFAULT_WORKLOADS, Session, SessionResult
+
+MIXTURE_TOLERANCE = 1e-6
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def quotas(batch_size: int, mixture: Mapping[str, float]) -> dict[str, int]:
+    """Split `batch_size` by shares with largest remainders, so the counts sum to batch_size."""
+    raw = {w: batch_size * p for w, p in mixture.items()}
+    out = {w: math.floor(v) for w, v in raw.items()}
+    short = batch_size - sum(out.values())
+    for w in sorted(raw, key=lambda w: (out[w] - raw[w], w))[:short]:
+        out[w] += 1
+    return out
+
+
+class RolloutClient:
+    def __init__(self, redis_url: str, namespace: str, workloads: Iterable[str] | None = None,
+                 consumer: str = "trainer") -> None:
+        """`workloads` adds names to the namespace's known workloads; a namespace with none yet
+        starts with the defaults (rlvr, rlhf, agentic)."""
+        self.keys = Keys(namespace)
+        self.consumer = consumer
+        self._client = redis.Redis.from_url(redis_url)
+        self._scripts = Scripts(self._client)
+        self._queue = SessionQueue(self._client, self.keys, self._scripts)
+        self._ledger = Ledger(self._client, self.keys)
+        names = list(workloads or ())
+        for w in names:
+            self.keys.pending(w)  # validates the name
+        if names:
+            self._client.sadd(self.keys.workloads, *names)
+        elif not self._client.exists(self.keys.workloads):
+            self._client.sadd(self.keys.workloads, *DEFAULT_WORKLOADS)
+        try:
+            self._client.xgroup_create(self.keys.results, TRAINER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        # Our deliveries from before a restart (the group's backlog for this consumer) are read
+        # first, from `_backlog_cursor` on, until a short read says they are all buffered.
+        self._backlog_done = False
+        self._backlog_cursor = "0"
+        self._buffer: dict[str, deque[tuple[str, SessionResult]]] = {}  # delivered, not handed
+        self._handed: list[tuple[str, str]] = []  # (entry id, workload) handed back, not acked
+
+    def close(self) -> None:
+        self.ack()
+        self._client.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- enqueue and configuration --------------------------------------------------------------
+    def known_workloads(self) -> set[str]:
+        return {_text(w) for w in self._client.smembers(self.keys.workloads)}
+
+    def enqueue(self, sessions: Iterable[Session | Mapping[str, Any]]) -> list[str]:
+        """Validate the whole batch, then add it; returns the ids that were new.
+
+        A bad item rejects the batch before anything is written (ValueError naming the item
+        and field), so nothing is half-enqueued. Re-enqueueing a known id is a no-op.
+        """
+        batch = validate_batch(list(sessions), self.known_workloads(), self._ledger.max_model_len())
+        return self._queue.enqueue(batch)
+
+    def set_mixture(self, mixture: Mapping[str, float]) -> dict[str, float]:
+        """Set the target share π_w of consumed sessions per workload; must sum to 1 ± 1e-6."""
+        known = self.known_workloads()
+        if not mixture:
+            raise ValueError("mixture: give at least one workload share")
+        for w, p in mixture.items():
+            if w not in known:
+                raise ValueError(f"mixture.{w}: unknown workload; known: {', '.join(sorted(known))}")
+            if not (isinstance(p, int | float) and math.isfinite(p) and p >= 0):
+                raise ValueError(f"mixture.{w}: share {p!r} must be a finite number ≥ 0")
+        total = sum(mixture.values())
+        if abs(total - 1.0) > MIXTURE_TOLERANCE:
+            raise ValueError(f"mixture: shares sum to {total}, not 1")
+        clean = {w: float(p) / total for w, p in mixture.items()}
+        pipe = self._client.pipeline(transaction=True)
+        pipe.delete(self.keys.mixture)
+        pipe.hset(self.keys.mixture, mapping={w: repr(p) for w, p in clean.items()})
+        pipe.execute()
+        return clean
+
+    def mixture(self) -> dict[str, float]:
+        return {_text(k): float(v) for k, v in self._client.hgetall(self.keys.mixture).items()}
+
+    # -- results --------------------------------------------------------------------------------
+    def ack(self) -> None:
+        """Acknowledge every result handed back so far (count it as consumed)."""
+        if not self._handed:
+            return
+        pipe = self._client.pipeline(transaction=True)
+        ids = [eid for eid, _ in self._handed]
+        pipe.xack(self.keys.results, TRAINER_GROUP, *ids)
+        per: dict[str, int] = {}
+        for _, w in self._handed:
+            per[w] = per.get(w, 0) + 1
+        for w, n in per.items():
+            pipe.hincrby(self.keys.consumed, w, n)
+        pipe.execute()
+        self._handed = []
+
+    def _fetch(self, count: int, block_ms: int | None) -> int:
+        backlog = not self._backlog_done
+        start = self._backlog_cursor if backlog else ">"
+        reply = self._client.xreadgroup(TRAINER_GROUP, self.consumer, {self.keys.results: start},
+                                        count=count, block=None if backlog else block_ms)
+        entries = reply[0][1] if reply else []
+        if backlog:
+            if entries:
+                self._backlog_cursor = _text(entries[-1][0])
+            if len(entries) < count:
+                self._backlog_done = True
+        n = 0
+        for entry_id, fields in entries:
+            eid = _text(entry_id)
+            f = {_text(k): v for k, v in fields.items()}
+            r = SessionResult.model_validate_json(f["result"])
+            self._buffer.setdefault(r.workload, deque()).append((eid, r))
+            n += 1
+        return n
+
+    def _buffered(self) -> int:
+        return sum(len(q) for q in self._buffer.values())
+
+    def results(self, batch_size: int, mode: Literal["fifo", "quota"] = "fifo",
+                timeout: float = 10.0) -> list[SessionResult]:
+        """Up to `batch_size` results; fewer only if `timeout` seconds pass first.
+
+        `fifo`: in completion order. `quota`: batch_size·π_w of each workload (largest
+        remainders); results beyond a workload's quota wait in the client for later batches.
+        """
+        if batch_size <= 0:
+            raise ValueError(f"batch_size: {batch_size} must be positive")
+        if mode not in ("fifo", "quota"):
+            raise ValueError(f"mode: {mode!r} must be 'fifo' or 'quota'")
+        self.ack()
+        want = quotas(batch_size, self.mixture()) if mode == "quota" else None
+        if want is not None and not want:
+            raise ValueError("mode: quota needs a mixture; call set_mixture first")
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._satisfied(batch_size, want):
+                break
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                break
+            self._fetch(max(batch_size, 100), min(left_ms, 1000))
+        return self._take(batch_size, want)
+
+    def _satisfied(self, batch_size: int, want: dict[str, int] | None) -> bool:
+        if want is None:
+            return self._buffered() >= batch_size
+        return all(len(self._buffer.get(w, ())) >= n for w, n in want.items())
+
+    def _take(self, batch_size: int, want: dict[str, int] | None) -> list[SessionResult]:
+        picked: list[tuple[str, SessionResult]] = []
+        if want is None:
+            merged = sorted((e for q in self._buffer.values() for e in q),
+                            key=lambda e: tuple(int(x) for x in e[0].split("-")))
+            picked = merged[:batch_size]
+            chosen = {eid for eid, _ in picked}
+            for w, q in self._buffer.items():
+                self._buffer[w] = deque(e for e in q if e[0] not in chosen)
+        else:
+            for w, n in want.items():
+                q = self._buffer.get(w, deque())
+                for _ in range(min(n, len(q))):
+                    picked.append(q.popleft())
+        self._handed += [(eid, r.workload) for eid, r in picked]
+        return [r for _, r in picked]
+
+    # -- cancel and status ----------------------------------------------------------------------
+    def cancel(self, session_id: str) -> str:
+        """'cancelled', or the state that made it too late ('done', 'failed', 'cancelled'),
+        or 'unknown'. A cancelled session publishes no result."""
+        k = self.keys
+        for _ in range(5):
+            backend = self._client.hget(k.session(session_id), "backend")
+            b = _text(backend) if backend else None
+            keys = [k.session(session_id)]
+            if b:
+                keys += [k.ledger(b), k.ledger_sessions(b), k.admitted(b)]
+            else:  # not on a backend: the ledger keys are never touched; any of ours will do
+                keys += [k.mixture, k.mixture, k.mixture]
+            reply = as_text(self._scripts.cancel(keys=keys + [k.events],
+                                                 args=[session_id, b or "", repr(time.time())]))
+            if reply != "retry":
+                return reply
+        raise RuntimeError(f"session_id: {session_id!r} kept moving between backends; retry")
+
+    def status(self) -> dict[str, Any]:
+        k = self.keys
+        workloads = sorted(self.known_workloads())
+        pipe = self._client.pipeline(transaction=False)
+        for w in workloads:
+            pipe.xlen(k.pending(w))
+            pipe.xlen(k.requeue(w))
+        pipe.hgetall(k.consumed)
+        pipe.xlen(k.results)
+        pipe.xlen(k.dead_letter)
+        replies = pipe.execute()
+        n = 2 * len(workloads)
+        ledgers = self._ledger.read_all()
+        hb_pipe = self._client.pipeline(transaction=False)
+        for b in ledgers:
+            hb_pipe.exists(k.heartbeat(b))
+        alive = hb_pipe.execute()
+        return {
+            "pending": {w: int(replies[2 * i]) + int(replies[2 * i + 1])
+                        for i, w in enumerate(workloads)},
+            "consumed": {_text(a): int(v) for a, v in replies[n].items()},
+            "results_stream": int(replies[n + 1]),
+            "dead_letter": int(replies[n + 2]),
+            "mixture": self.mixture(),
+            "backends": {
+                b: {"healthy": bool(h), "capacity_tokens": s.capacity_tokens,
+                    "alpha": s.alpha, "reserved_tokens": s.reserved_tokens,
+                    "sessions": len(s.sessions), "max_model_len": s.max_model_len}
+                for (b, s), h in zip(ledgers.items(), alive)
+            },
+        }
+
+
+class AsyncRolloutClient:
+    """The same methods as `RolloutClient`, awaitable.
+
+    Each call runs the sync client's method in a worker thread (`asyncio.to_thread`), one at a
+    time (a lock), so the semantics (acks, buffering, exactly-once) are the sync client's own.
+    """
+
+    def __init__(self, redis_url: str, namespace: str, workloads: Iterable[str] | None = None,
+                 consumer: str = "trainer") -> None:
+        self._sync = RolloutClient(redis_url, namespace, workloads, consumer)
+        self._lock = asyncio.Lock()
+
+    async def _call(self, fn, *args, **kwargs):
+        async with self._lock:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def enqueue(self, sessions: Iterable[Session | Mapping[str, Any]]) -> list[str]:
+        return await self._call(self._sync.enqueue, list(sessions))
+
+    async def set_mixture(self, mixture: Mapping[str, float]) -> dict[str, float]:
+        return await self._call(self._sync.set_mixture, dict(mixture))
+
+    async def results(self, batch_size: int, mode: Literal["fifo", "quota"] = "fifo",
+                      timeout: float = 10.0) -> list[SessionResult]:
+        return await self._call(self._sync.results, batch_size, mode, timeout)
+
+    async def ack(self) -> None:
+        await self._call(self._sync.ack)
+
+    async def cancel(self, session_id: str) -> str:
+        return await self._call(self._sync.cancel, session_id)
+
+    async def status(self) -> dict[str, Any]:
+        return await self._call(self._sync.status)
+
+    async def close(self) -> None:
+        await self._call(self._sync.close)
+
+    async def __aenter__(self) -> AsyncRolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,68 @@
+"""Heartbeat records: what a worker stores under `rb:{ns}:hb:<backend>` every ~1 s, with a TTL.
+
+The record is JSON (a pydantic model), never pickle. The key's TTL is the health signal: a
+backend is healthy exactly while its heartbeat key exists (see `lua/heartbeat.lua`).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from broker.policies.base import Telemetry
+
+DEFAULT_HEARTBEAT_TTL_S = 3.0  # three missed 1 s beats and the backend counts as dead
+
+
+class SessionProgress(BaseModel):
+    """A resident session's progress as the worker sees it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str
+    context_tokens: int = Field(ge=0)  # history length now: prompt + outputs + observations
+    generated_tokens: int = Field(ge=0)  # output tokens so far, all turns
+    turn: int = Field(ge=0)  # turns started so far
+    waiting_on_tool: bool = False  # between turns: a tool or reward call is running
+
+
+class EngineMetrics(BaseModel):
+    """The engine's own /metrics, under vLLM's names (see `Telemetry`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kv_usage: float = Field(ge=0.0, le=1.0)
+    running: int = Field(ge=0)
+    waiting: int = Field(ge=0)
+    preemptions_total: int = Field(ge=0)
+    prefix_queries_total: int = Field(ge=0)
+    prefix_hits_total: int = Field(ge=0)
+
+
+class HeartbeatRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    backend_id: str
+    at: float  # unix seconds when the metrics were taken
+    metrics: EngineMetrics
+    sessions: list[SessionProgress] = Field(default_factory=list)
+
+    def telemetry(self) -> Telemetry:
+        m = self.metrics
+        return Telemetry(
+            at=self.at, kv_usage=m.kv_usage, running=m.running, waiting=m.waiting,
+            preemptions_total=m.preemptions_total, prefix_queries_total=m.prefix_queries_total,
+            prefix_hits_total=m.prefix_hits_total,
+        )
+
+    def progress_by_session(self) -> dict[str, SessionProgress]:
+        return {p.session_id: p for p in self.sessions}
+
+
+def parse_heartbeat(raw: bytes | str | None) -> HeartbeatRecord | None:
+    """The stored record, or None when absent or unreadable (an unreadable beat is not health)."""
+    if raw is None:
+        return None
+    try:
+        return HeartbeatRecord.model_validate_json(raw)
+    except ValidationError:
+        return None

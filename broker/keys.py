@@ -1,0 +1,128 @@
+"""The one place that builds Redis key strings.
+
+Every key lives under `rb:{<namespace>}:`. The braces are a Redis Cluster hash tag: all keys of a
+namespace hash to one slot, so the multi-key Lua scripts in `broker/lua/` work on a cluster, and
+several RL jobs (namespaces) spread over the cluster's slots.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_BACKEND_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_WORKLOAD_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # as Session.workload
+_SESSION_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")  # as Session.session_id
+
+
+def check_backend_id(backend_id: str) -> str:
+    if not _BACKEND_RE.match(backend_id):
+        raise ValueError(
+            f"backend_id: {backend_id!r} must be 1-64 characters of letters, digits, '_', '.' or '-'"
+        )
+    return backend_id
+
+
+def _check(kind: str, value: str, pattern: re.Pattern[str]) -> str:
+    if not pattern.match(value):
+        raise ValueError(f"{kind}: {value!r} is not a valid {kind} for a Redis key")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key builder for one namespace. Argument checks keep ids from smuggling ':' or braces."""
+
+    namespace: str
+
+    def __post_init__(self) -> None:
+        _check("namespace", self.namespace, _NAMESPACE_RE)
+
+    @property
+    def prefix(self) -> str:
+        return f"rb:{{{self.namespace}}}:"
+
+    # -- queues ---------------------------------------------------------------------------------
+    def pending(self, workload: str) -> str:
+        """Stream: sessions waiting for admission, in enqueue order (group "broker")."""
+        return f"{self.prefix}pending:{_check('workload', workload, _WORKLOAD_RE)}"
+
+    def requeue(self, workload: str) -> str:
+        """Stream: sessions taken back from a dead backend; read before `pending` (its front)."""
+        return f"{self.prefix}requeue:{_check('workload', workload, _WORKLOAD_RE)}"
+
+    def admitted(self, backend_id: str) -> str:
+        """Stream: sessions admitted to one backend, for its worker (group "workers")."""
+        return f"{self.prefix}admitted:{check_backend_id(backend_id)}"
+
+    @property
+    def results(self) -> str:
+        """Stream: one entry per finished session (group "trainer")."""
+        return f"{self.prefix}results"
+
+    @property
+    def dead_letter(self) -> str:
+        """Stream: malformed entries taken off the queues, with the reason."""
+        return f"{self.prefix}dead"
+
+    @property
+    def events(self) -> str:
+        """Stream: wake-ups for the broker (heartbeats, finishes, cancels); capped in length."""
+        return f"{self.prefix}events"
+
+    # -- per-session state ----------------------------------------------------------------------
+    def session(self, session_id: str) -> str:
+        """Hash: state, session JSON, workload, timestamps, backend, reservation."""
+        return f"{self.prefix}session:{_check('session_id', session_id, _SESSION_RE)}"
+
+    # -- ledger, backends, heartbeats -----------------------------------------------------------
+    def ledger(self, backend_id: str) -> str:
+        """Hash: capacity, max_model_len, alpha, reserved (total), w:<workload> (per workload)."""
+        return f"{self.prefix}ledger:{check_backend_id(backend_id)}"
+
+    def ledger_sessions(self, backend_id: str) -> str:
+        """Hash: session_id -> reserved KV tokens, for sessions resident on the backend."""
+        return f"{self.prefix}ledger:{check_backend_id(backend_id)}:sessions"
+
+    @property
+    def kv_seconds(self) -> str:
+        """Hash: <workload> -> summed KV-token-seconds of finished sessions, n:<workload> -> count."""
+        return f"{self.prefix}kvsec"
+
+    def heartbeat(self, backend_id: str) -> str:
+        """String (JSON) with a TTL: the backend's latest telemetry and per-session progress."""
+        return f"{self.prefix}hb:{check_backend_id(backend_id)}"
+
+    @property
+    def backends(self) -> str:
+        """Set: every backend id ever registered in the namespace (the index; never KEYS *)."""
+        return f"{self.prefix}backends"
+
+    # -- trainer-side ---------------------------------------------------------------------------
+    @property
+    def workloads(self) -> str:
+        """Set: workload names enqueue accepts."""
+        return f"{self.prefix}workloads"
+
+    @property
+    def mixture(self) -> str:
+        """Hash: <workload> -> target share π_w (sums to 1)."""
+        return f"{self.prefix}mixture"
+
+    @property
+    def consumed(self) -> str:
+        """Hash: <workload> -> results the trainer has acknowledged."""
+        return f"{self.prefix}consumed"
+
+    # -- broker ---------------------------------------------------------------------------------
+    @property
+    def lease(self) -> str:
+        """String with a PX expiry: the token of the one active broker."""
+        return f"{self.prefix}lease"
+
+
+# Consumer-group names, next to the keys they apply to.
+BROKER_GROUP = "broker"  # on pending:*, requeue:* and events
+WORKERS_GROUP = "workers"  # on admitted:*
+TRAINER_GROUP = "trainer"  # on results

@@ -1,0 +1,56 @@
+"""The broker lease: at most one active broker per namespace.
+
+`SET lease <token> NX PX <period>` acquires it; `lua/lease_renew.lua` extends it only for the
+holder (compare-and-set). A broker renews every period/3, so a live broker keeps it through two
+missed renewals; a killed one loses it after at most one period, and a standby that tries every
+period/3 takes over within 4/3 periods. The admit, reclaim and recharge scripts check the token,
+so a broker that stalled past its lease can no longer change anything (fencing).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import redis
+
+from broker.keys import Keys
+from broker.scripts import Scripts
+
+
+class Lease:
+    def __init__(self, client: redis.Redis, keys: Keys, scripts: Scripts, period_s: float) -> None:
+        if period_s <= 0:
+            raise ValueError(f"lease_period: {period_s} must be positive")
+        self._client = client
+        self._keys = keys
+        self._scripts = scripts
+        self.period_ms = max(1, int(period_s * 1000))
+        self.token = uuid.uuid4().hex
+        self._renewed_at = 0.0  # monotonic time of the last successful acquire/renew
+        self.held = False
+
+    @property
+    def renew_interval_s(self) -> float:
+        return self.period_ms / 3000.0
+
+    def try_acquire(self) -> bool:
+        self.held = bool(self._client.set(self._keys.lease, self.token, nx=True, px=self.period_ms))
+        if self.held:
+            self._renewed_at = time.monotonic()
+        return self.held
+
+    def renew(self) -> bool:
+        ok = self._scripts.lease_renew(keys=[self._keys.lease], args=[self.token, self.period_ms])
+        self.held = bool(ok)
+        if self.held:
+            self._renewed_at = time.monotonic()
+        return self.held
+
+    def renew_due(self) -> bool:
+        return time.monotonic() - self._renewed_at >= self.renew_interval_s
+
+    def release(self) -> None:
+        if self.held:
+            self._scripts.lease_release(keys=[self._keys.lease], args=[self.token])
+            self.held = False

@@ -1,0 +1,128 @@
+"""The KV ledger: per backend, what is reserved against α·C, and per workload KV·seconds.
+
+Fields of `rb:{ns}:ledger:<b>` (a hash), who writes them, and what they mean:
+- `capacity`      C_b in KV tokens (num_gpu_blocks × block_size); written by the backend's
+                  worker when it registers.
+- `max_model_len` the engine's context limit; written at registration.
+- `alpha`         α_b: reservations may reach α_b·C_b; set to 1.0 at first registration, then
+                  written only by the active broker from `Decision.alpha`.
+- `reserved`      Σ of the per-session reservations in `ledger:<b>:sessions`; changed only by the
+                  admit / finish / cancel / reclaim / recharge scripts, always together with them.
+- `w:<workload>`  the part of `reserved` held by sessions of that workload.
+Admission keeps `reserved ≤ floor(α·C)`; lowering α never evicts anyone, so after a decrease
+`reserved` may sit above the new limit until sessions finish.
+`rb:{ns}:kvsec` sums, per workload, the KV-token-seconds of finished sessions (`n:<w>` counts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from broker.keys import WORKERS_GROUP, Keys, check_backend_id
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerState:
+    backend_id: str
+    capacity_tokens: int
+    max_model_len: int
+    alpha: float
+    reserved_tokens: int
+    reserved_by_workload: dict[str, int]
+    sessions: dict[str, int]  # session_id -> reserved tokens
+
+    @property
+    def limit_tokens(self) -> int:
+        return int(self.alpha * self.capacity_tokens)
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def parse_ledger(backend_id: str, fields: dict, sessions: dict) -> LedgerState | None:
+    """A ledger from its two hashes as HGETALL returns them; None when never registered."""
+    f = {_text(k): _text(v) for k, v in fields.items()}
+    if "capacity" not in f:
+        return None
+    by_workload = {k[2:]: int(v) for k, v in f.items() if k.startswith("w:")}
+    return LedgerState(
+        backend_id=backend_id,
+        capacity_tokens=int(f["capacity"]),
+        max_model_len=int(f.get("max_model_len", 0)),
+        alpha=float(f.get("alpha", 1.0)),
+        reserved_tokens=int(f.get("reserved", 0)),
+        reserved_by_workload=by_workload,
+        sessions={_text(k): int(v) for k, v in sessions.items()},
+    )
+
+
+class Ledger:
+    """Typed access to the ledger hashes. Holds a client; pass `pipe` to batch writes."""
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self._client = client
+        self._keys = keys
+
+    def register_backend(self, backend_id: str, capacity_tokens: int, max_model_len: int) -> None:
+        """Create or update a backend's ledger, index it, and make its admitted stream's group."""
+        check_backend_id(backend_id)
+        if capacity_tokens <= 0:
+            raise ValueError(f"capacity_tokens: {capacity_tokens} must be positive")
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len: {max_model_len} must be positive")
+        k = self._keys
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hset(k.ledger(backend_id), mapping={"capacity": capacity_tokens,
+                                                  "max_model_len": max_model_len})
+        pipe.hsetnx(k.ledger(backend_id), "alpha", 1.0)
+        pipe.hsetnx(k.ledger(backend_id), "reserved", 0)
+        pipe.sadd(k.backends, backend_id)
+        pipe.execute()
+        try:
+            self._client.xgroup_create(k.admitted(backend_id), WORKERS_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def backend_ids(self) -> list[str]:
+        return sorted(_text(b) for b in self._client.smembers(self._keys.backends))
+
+    def read(self, backend_id: str) -> LedgerState | None:
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hgetall(self._keys.ledger(backend_id))
+        pipe.hgetall(self._keys.ledger_sessions(backend_id))
+        fields, sessions = pipe.execute()
+        return parse_ledger(backend_id, fields, sessions)
+
+    def read_all(self) -> dict[str, LedgerState]:
+        ids = self.backend_ids()
+        pipe = self._client.pipeline(transaction=True)
+        for b in ids:
+            pipe.hgetall(self._keys.ledger(b))
+            pipe.hgetall(self._keys.ledger_sessions(b))
+        replies = pipe.execute()
+        out = {}
+        for i, b in enumerate(ids):
+            state = parse_ledger(b, replies[2 * i], replies[2 * i + 1])
+            if state is not None:
+                out[b] = state
+        return out
+
+    def set_alpha(self, backend_id: str, alpha: float, pipe: redis.client.Pipeline | None = None) -> None:
+        if not (alpha > 0.0):
+            raise ValueError(f"alpha: {alpha} must be positive")
+        (pipe or self._client).hset(self._keys.ledger(backend_id), "alpha", repr(float(alpha)))
+
+    def max_model_len(self) -> int | None:
+        """The largest context limit among registered backends; None when none is registered."""
+        lens = [s.max_model_len for s in self.read_all().values()]
+        return max(lens) if lens else None
+
+    def kv_seconds(self) -> dict[str, tuple[float, int]]:
+        """workload -> (summed KV-token-seconds, finished sessions)."""
+        raw = {_text(k): _text(v) for k, v in self._client.hgetall(self._keys.kv_seconds).items()}
+        return {w: (float(v), int(raw.get(f"n:{w}", 0))) for w, v in raw.items()
+                if not w.startswith("n:")}

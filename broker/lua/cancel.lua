@@ -1,0 +1,37 @@
+-- cancel: the trainer withdraws a session that has not finished.
+-- KEYS[1] = rb:{ns}:session:<sid>   KEYS[2] = rb:{ns}:ledger:<b>
+-- KEYS[3] = rb:{ns}:ledger:<b>:sessions   KEYS[4] = rb:{ns}:admitted:<b>   KEYS[5] = rb:{ns}:events
+-- ARGV[1] = sid   ARGV[2] = the backend the caller read from the session hash ('' if none)
+-- ARGV[3] = now
+-- Returns 'cancelled'; the current terminal state ('done', 'failed', 'cancelled'); 'unknown';
+-- or 'retry' when the session's backend is not ARGV[2] (it moved: read it again).
+-- Invariant: a cancelled session publishes no result; a pending one keeps its stream entry,
+-- which admit acks as stale; an admitted/running one releases its reservation exactly and
+-- leaves its backend's stream in the same step.
+local st = redis.call('HMGET', KEYS[1], 'state', 'backend', 'workload', 'admitted_entry')
+local state = st[1]
+if not state then
+  return 'unknown'
+end
+if state == 'done' or state == 'failed' or state == 'cancelled' then
+  return state
+end
+if state == 'pending' then
+  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_at', ARGV[3])
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', '10000', '*', 'kind', 'cancel', 'backend', '')
+  return 'cancelled'
+end
+if st[2] ~= ARGV[2] then
+  return 'retry'
+end
+local charge = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HINCRBY', KEYS[2], 'reserved', -charge)
+redis.call('HINCRBY', KEYS[2], 'w:' .. st[3], -charge)
+if st[4] then
+  redis.call('XACK', KEYS[4], 'workers', st[4])
+  redis.call('XDEL', KEYS[4], st[4])
+end
+redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_at', ARGV[3])
+redis.call('XADD', KEYS[5], 'MAXLEN', '~', '10000', '*', 'kind', 'cancel', 'backend', ARGV[2])
+return 'cancelled'

@@ -1,0 +1,159 @@
+"""Session queues: enqueue into `pending:<w>`, decode entries, dead-letter what cannot be read.
+
+Stream entries carry `sid` and `session` (the Session as JSON). The per-session hash
+`rb:{ns}:session:<sid>` is the source of truth for where a session is:
+`state` (pending → admitted → running → done | failed | cancelled), `session`, `workload`,
+`enqueued_at`, `pending_entry`; after admission `backend`, `reserved`, `admitted_at`,
+`admitted_entry`; `running_at`, `finished_at`, `requeued_at` as they happen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from broker.keys import BROKER_GROUP, Keys
+from broker.scripts import Scripts
+from broker.session import Session
+
+ENQUEUE_CHUNK = 500  # sessions per enqueue script call: bounds one script's run time
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    field = ".".join(str(p) for p in err.get("loc", ()))
+    # A whole-model check has no location; its message starts with the field it is about.
+    return f"{field}: {msg}" if field else msg
+
+
+def validate_batch(
+    sessions: Iterable[Session | Mapping[str, Any]],
+    known_workloads: set[str],
+    max_model_len: int | None,
+) -> list[Session]:
+    """Check a whole batch before anything is written; the first bad item rejects all of it.
+
+    Raises ValueError naming the item and field: `sessions[3].max_tokens: ...`.
+    `max_model_len` is the largest context limit of the registered backends (None: no backend
+    yet, so prompt length cannot be judged and is accepted).
+    """
+    out: list[Session] = []
+    for i, raw in enumerate(sessions):
+        if isinstance(raw, Session):
+            s = raw
+        else:
+            try:
+                s = Session.model_validate(raw)
+            except ValidationError as exc:
+                raise ValueError(f"sessions[{i}].{_first_error(exc)}") from None
+        if s.workload not in known_workloads:
+            raise ValueError(
+                f"sessions[{i}].workload: unknown workload {s.workload!r}; "
+                f"known: {', '.join(sorted(known_workloads))}"
+            )
+        if max_model_len is not None and s.prompt_len_hint > max_model_len:
+            field = "prompt_token_ids" if s.prompt_token_ids is not None else "prompt_text"
+            raise ValueError(
+                f"sessions[{i}].{field}: prompt of {s.prompt_len_hint} tokens does not fit any "
+                f"backend (largest max_model_len is {max_model_len})"
+            )
+        out.append(s)
+    return out
+
+
+class SessionQueue:
+    """Writes and reads the session streams. Holds a client, never subclasses it."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, scripts: Scripts) -> None:
+        self._client = client
+        self._keys = keys
+        self._scripts = scripts
+
+    def enqueue(self, sessions: Sequence[Session], now: float | None = None) -> list[str]:
+        """Add validated sessions; returns the ids that were new (repeats are no-ops)."""
+        now = time.time() if now is None else now
+        new: list[str] = []
+        for start in range(0, len(sessions), ENQUEUE_CHUNK):
+            chunk = sessions[start:start + ENQUEUE_CHUNK]
+            keys: list[str] = []
+            args: list[Any] = [repr(now)]
+            for s in chunk:
+                keys += [self._keys.session(s.session_id), self._keys.pending(s.workload)]
+                args += [s.session_id, s.workload, s.model_dump_json()]
+            flags = self._scripts.enqueue(keys=keys, args=args, client=self._client)
+            new += [s.session_id for s, f in zip(chunk, flags) if int(f) == 1]
+        return new
+
+    def ensure_broker_groups(self, workloads: Iterable[str]) -> None:
+        """Create group "broker" on each pending/requeue stream (id 0: sees earlier entries)."""
+        for w in workloads:
+            for stream in (self._keys.pending(w), self._keys.requeue(w)):
+                try:
+                    self._client.xgroup_create(stream, BROKER_GROUP, id="0", mkstream=True)
+                except redis.ResponseError as exc:
+                    if "BUSYGROUP" not in str(exc):
+                        raise
+
+    def dead_letter(self, stream: str, entry_id: str, fields: Mapping, reason: str) -> None:
+        """Move an unreadable entry to the dead-letter stream with its reason, atomically."""
+        body = {"stream": stream, "entry_id": entry_id, "reason": reason}
+        for k, v in fields.items():
+            body[f"f:{_text(k)}"] = v
+        pipe = self._client.pipeline(transaction=True)
+        pipe.xadd(self._keys.dead_letter, body)
+        pipe.xack(stream, BROKER_GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
+        pipe.execute()
+
+    def state(self, session_id: str) -> str | None:
+        v = self._client.hget(self._keys.session(session_id), "state")
+        return None if v is None else _text(v)
+
+    def session_fields(self, session_id: str) -> dict[str, str]:
+        raw = self._client.hgetall(self._keys.session(session_id))
+        return {_text(k): _text(v) for k, v in raw.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class PendingEntry:
+    """A readable entry of a pending/requeue stream."""
+
+    stream: str
+    entry_id: str
+    session: Session
+    front: bool  # came from the requeue stream: goes before the workload's pending entries
+    enqueued_at: float  # unix seconds when the trainer enqueued it
+
+
+def decode_entry(stream: str, entry_id: str, fields: Mapping, front: bool) -> PendingEntry | str:
+    """The entry, or the reason it cannot be read (the caller dead-letters it).
+
+    Fields arrive with bytes keys from a client that does not decode responses."""
+    sid = fields.get(b"sid", fields.get("sid"))
+    body = fields.get(b"session", fields.get("session"))
+    if sid is None or body is None:
+        return "entry has no 'sid' or no 'session' field"
+    try:
+        session = Session.model_validate_json(body)
+    except ValidationError as exc:
+        return f"session JSON does not validate: {_first_error(exc)}"
+    if session.session_id != _text(sid):
+        return f"sid {_text(sid)!r} does not match session_id {session.session_id!r}"
+    # A pending entry's id is its enqueue time (ms); a requeued one carries the original time.
+    stamp = fields.get(b"enqueued_at", fields.get("enqueued_at"))
+    try:
+        enqueued_at = float(stamp) if stamp is not None else int(entry_id.split("-")[0]) / 1000.0
+    except ValueError:
+        return f"enqueued_at {stamp!r} is not a number"
+    return PendingEntry(stream=stream, entry_id=entry_id, session=session, front=front,
+                        enqueued_at=enqueued_at)

@@ -1,0 +1,50 @@
+"""Load the Lua scripts in `broker/lua/` once per Redis client.
+
+Each `*.lua` file opens with its KEYS/ARGV and the invariant it keeps. `Scripts(client)` wraps
+them with redis-py's `Script` objects: EVALSHA, loading the body on NOSCRIPT; a script object can
+also be called with `client=pipeline` so many calls go out in one round trip.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+
+import redis
+from redis.commands.core import Script
+
+SCRIPT_NAMES = (
+    "enqueue", "admit", "finish", "mark_running", "heartbeat", "reclaim", "cancel", "recharge",
+    "lease_renew", "lease_release",
+)
+
+
+@cache
+def script_source(name: str) -> str:
+    if name not in SCRIPT_NAMES:
+        raise ValueError(f"script: unknown Lua script {name!r}")
+    return resources.files("broker").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
+
+
+class Scripts:
+    """The registered scripts for one client; attribute names are the file names."""
+
+    enqueue: Script
+    admit: Script
+    finish: Script
+    mark_running: Script
+    heartbeat: Script
+    reclaim: Script
+    cancel: Script
+    recharge: Script
+    lease_renew: Script
+    lease_release: Script
+
+    def __init__(self, client: redis.Redis) -> None:
+        for name in SCRIPT_NAMES:
+            setattr(self, name, client.register_script(script_source(name)))
+
+
+def as_text(reply: object) -> str:
+    """Script replies arrive as bytes unless the client decodes; compare them as str."""
+    return reply.decode() if isinstance(reply, bytes) else str(reply)

@@ -1,0 +1,381 @@
+"""The broker process: hold the lease, read the queues, ask the policy, apply its decision.
+
+Event-driven: one XREADGROUP BLOCK over the pending and requeue streams of every workload plus
+the events stream (heartbeats, finishes, cancels, reclaims XADD there), so the broker wakes on
+any of them and never busy-polls. It blocks only when its last decision admitted nothing;
+otherwise it reads without blocking and decides again.
+
+Crash safety: the broker holds pending entries in its consumer-group backlog until the admit
+script acks them in the same step that places the session, so a broker killed at any point
+leaves each session either pending (entry unacked, state 'pending') or admitted (entry acked,
+state 'admitted'), never both or neither. A broker taking over claims every backlog entry of the
+group (XAUTOCLAIM, min idle 0: the lease guarantees the previous holder is gone) and carries on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import redis
+
+from broker.keys import BROKER_GROUP, Keys
+from broker.lease import Lease
+from broker.ledger import LedgerState
+from broker.policies import make_policy
+from broker.policies.base import Completion, Decision, PendingItem, Policy
+from broker.queue import PendingEntry, SessionQueue, decode_entry
+from broker.scripts import Scripts, as_text
+from broker.session import Session
+from broker.snapshot import (
+    FleetRead,
+    ResidentMeta,
+    build_snapshot,
+    completion_from_entry,
+    pending_item,
+    read_fleet,
+    resident_meta,
+)
+
+log = logging.getLogger("rollout_broker.broker")
+
+RECLAIM_CHUNK = 200  # sessions per reclaim script call
+
+
+def load_policy(spec: str) -> Policy:
+    """A registered policy name, or `package.module:factory` for a policy outside the registry."""
+    if ":" in spec:
+        module, _, attr = spec.partition(":")
+        factory = getattr(importlib.import_module(module), attr)
+        return factory()
+    return make_policy(spec)
+
+
+@dataclass(slots=True)
+class BrokerSettings:
+    lease_period_s: float = 5.0  # a standby takes over within 4/3 of this after a crash
+    window: int = 1024  # pending items per workload shown to the policy, oldest first
+    buffer: int = 4096  # pending entries per workload held in memory (and the group backlog)
+    read_count: int = 2000  # entries per stream per read
+
+
+@dataclass(slots=True)
+class _Held:
+    entry: PendingEntry
+    item: PendingItem
+
+
+class BrokerService:
+    def __init__(self, redis_url: str, namespace: str, policy: Policy,
+                 settings: BrokerSettings | None = None, consumer: str | None = None) -> None:
+        self.settings = settings or BrokerSettings()
+        self.keys = Keys(namespace)
+        self.policy = policy
+        self.consumer = consumer or f"broker-{uuid.uuid4().hex[:12]}"
+        self._client = redis.Redis.from_url(redis_url)
+        self._scripts = Scripts(self._client)
+        self._queue = SessionQueue(self._client, self.keys, self._scripts)
+        self.lease = Lease(self._client, self.keys, self._scripts, self.settings.lease_period_s)
+        self._reset_memory()
+        self.admitted_total = 0  # sessions this process admitted (for benchmarks and logs)
+
+    def _reset_memory(self) -> None:
+        # Per workload, insertion-ordered: requeued entries (front) and pending entries (back).
+        self._front: dict[str, dict[str, _Held]] = {}
+        self._back: dict[str, dict[str, _Held]] = {}
+        self._meta: dict[str, ResidentMeta] = {}
+        self._workloads: tuple[str, ...] = ()
+        self._last_result_id = "0-0"
+        self._completions: list[Completion] = []
+        self._backend_ids: tuple[str, ...] = ()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Serve until `stop` is set: as the active broker while holding the lease, else standby."""
+        stop = stop or threading.Event()
+        try:
+            while not stop.is_set():
+                if not self.lease.try_acquire():
+                    stop.wait(self.lease.renew_interval_s)
+                    continue
+                log.info("broker %s: lease acquired, active", self.consumer)
+                self._serve(stop)
+                if not stop.is_set():
+                    log.warning("broker %s: lease lost, back to standby", self.consumer)
+        finally:
+            self.lease.release()
+            self._client.close()
+
+    def _serve(self, stop: threading.Event) -> None:
+        self._take_over()
+        idle = False
+        while not stop.is_set():
+            if not self.lease.held or (self.lease.renew_due() and not self.lease.renew()):
+                return
+            fleet = self._sync(block=idle)
+            if fleet is None:
+                return
+            idle = self._decide_and_apply(fleet) == 0
+
+    # -- reading --------------------------------------------------------------------------------
+    def _take_over(self) -> None:
+        self._reset_memory()
+        try:
+            self._client.xgroup_create(self.keys.events, BROKER_GROUP, id="$", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        last = self._client.xrevrange(self.keys.results, count=1)
+        self._last_result_id = last[0][0].decode() if last else "0-0"
+        fleet = self._read_fleet()
+        self._refresh_workloads(fleet.workloads)
+        for w in self._workloads:
+            for stream, front in ((self.keys.requeue(w), True), (self.keys.pending(w), False)):
+                self._claim_backlog(stream, front)
+        self._drop_stale_events()
+
+    def _drop_stale_events(self) -> None:
+        """Wake-ups a dead broker read but never acked: claim, ack and delete them (they only
+        meant "look again", which a new broker does anyway), then forget idle consumers."""
+        start = "0-0"
+        while True:
+            reply = self._client.xautoclaim(self.keys.events, BROKER_GROUP, self.consumer,
+                                            min_idle_time=0, start_id=start, count=1000)
+            nxt = reply[0]
+            entries = [e[0] for e in reply[1]] + list(reply[2] if len(reply) > 2 else [])
+            if entries:
+                self._client.xack(self.keys.events, BROKER_GROUP, *entries)
+                self._client.xdel(self.keys.events, *entries)
+            start = nxt.decode() if isinstance(nxt, bytes) else nxt
+            if start == "0-0":
+                break
+        for stream in [self.keys.events] + [
+                s for w in self._workloads for s in (self.keys.requeue(w), self.keys.pending(w))]:
+            for c in self._client.xinfo_consumers(stream, BROKER_GROUP):
+                name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+                if name != self.consumer and int(c["pending"]) == 0:
+                    self._client.xgroup_delconsumer(stream, BROKER_GROUP, name)
+
+    def _claim_backlog(self, stream: str, front: bool) -> None:
+        start = "0-0"
+        while True:
+            reply = self._client.xautoclaim(stream, BROKER_GROUP, self.consumer,
+                                            min_idle_time=0, start_id=start, count=1000)
+            nxt, entries = reply[0], reply[1]
+            deleted = reply[2] if len(reply) > 2 else []
+            if deleted:
+                self._client.xack(stream, BROKER_GROUP, *deleted)
+            for entry_id, fields in entries:
+                self._hold(stream, entry_id, fields, front)
+            start = nxt.decode() if isinstance(nxt, bytes) else nxt
+            if start == "0-0":
+                return
+
+    def _refresh_workloads(self, workloads: tuple[str, ...]) -> None:
+        if workloads != self._workloads:
+            self._queue.ensure_broker_groups(workloads)
+            for w in workloads:
+                self._front.setdefault(w, {})
+                self._back.setdefault(w, {})
+            self._workloads = workloads
+
+    def _hold(self, stream: str, entry_id: bytes | str, fields: Mapping, front: bool) -> None:
+        eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        if not fields:  # entry deleted after delivery (XDEL): nothing to place
+            self._client.xack(stream, BROKER_GROUP, eid)
+            return
+        decoded = decode_entry(stream, eid, fields, front)
+        if isinstance(decoded, str):
+            log.warning("dead-letter %s %s: %s", stream, eid, decoded)
+            self._queue.dead_letter(stream, eid, fields, decoded)
+            return
+        s = decoded.session
+        enqueued_at = decoded.enqueued_at
+        queue = (self._front if front else self._back).setdefault(s.workload, {})
+        if s.session_id in self._front.get(s.workload, {}) or s.session_id in self._back.get(s.workload, {}):
+            # A second live entry for one session (cannot come from our scripts); admit would
+            # refuse it as not pending, so ack it now rather than hold it.
+            self._client.xack(stream, BROKER_GROUP, eid)
+            return
+        queue[s.session_id] = _Held(entry=decoded, item=pending_item(s, enqueued_at))
+
+    def _sync(self, block: bool) -> FleetRead | None:
+        """Read new entries (blocking only if `block`), completions and the fleet; reap dead
+        backends. None when the lease was lost."""
+        streams: dict[str, str] = {self.keys.events: ">"}
+        for w in self._workloads:
+            streams[self.keys.requeue(w)] = ">"
+            if len(self._back.get(w, ())) < self.settings.buffer:
+                streams[self.keys.pending(w)] = ">"
+        block_ms = max(1, int(self.lease.renew_interval_s * 1000)) if block else None
+        reply = self._client.xreadgroup(BROKER_GROUP, self.consumer, streams,
+                                        count=self.settings.read_count, block=block_ms)
+        events: list[bytes] = []
+        for stream_b, entries in reply or []:
+            stream = stream_b.decode()
+            if stream == self.keys.events:
+                events = [e[0] for e in entries]
+                continue
+            front = stream.startswith(self.keys.prefix + "requeue:")
+            for entry_id, fields in entries:
+                self._hold(stream, entry_id, fields, front)
+        fleet = self._read_fleet(events)
+        self._refresh_workloads(fleet.workloads)
+        if not self._reap_dead(fleet):
+            return None
+        self._load_meta(fleet)
+        return fleet
+
+    def _read_fleet(self, ack_events: list[bytes] | None = None) -> FleetRead:
+        """The fleet in one round trip (two when a backend registered since the last read);
+        new results become completions for the policy."""
+        fleet = read_fleet(self._client, self.keys, self._backend_ids, self._last_result_id,
+                           ack_events or ())
+        self._take_completions(fleet)
+        if fleet.backend_index != self._backend_ids:
+            self._backend_ids = fleet.backend_index
+            fleet = read_fleet(self._client, self.keys, self._backend_ids, self._last_result_id)
+            self._take_completions(fleet)
+        return fleet
+
+    def _take_completions(self, fleet: FleetRead) -> None:
+        for entry_id, fields in fleet.results:
+            self._last_result_id = entry_id
+            c = completion_from_entry(fields)
+            if c is not None:
+                self._completions.append(c)
+                self._meta.pop(c.session_id, None)
+
+    def _load_meta(self, fleet: FleetRead) -> None:
+        """Metadata of resident sessions this broker did not admit itself (after a takeover)."""
+        missing = [sid for led in fleet.ledgers.values() for sid in led.sessions
+                   if sid not in self._meta]
+        if not missing:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for sid in missing:
+            pipe.hmget(self.keys.session(sid), "session", "admitted_at")
+        for sid, (body, admitted_at) in zip(missing, pipe.execute()):
+            try:
+                self._meta[sid] = resident_meta(Session.model_validate_json(body),
+                                                float(admitted_at or 0.0))
+            except (TypeError, ValueError):  # unreadable hash: the view leaves it out
+                log.error("session %s: state hash unreadable; left out of the policy view", sid)
+
+    # -- recovery of dead backends --------------------------------------------------------------
+    def _reap_dead(self, fleet: FleetRead) -> bool:
+        for b, led in fleet.ledgers.items():
+            if fleet.heartbeats.get(b) is None and led.sessions:
+                if not self._reclaim(b, list(led.sessions)):
+                    return False
+        return True
+
+    def _reclaim(self, backend_id: str, sids: list[str]) -> bool:
+        k = self.keys
+        for start in range(0, len(sids), RECLAIM_CHUNK):
+            chunk = sids[start:start + RECLAIM_CHUNK]
+            pipe = self._client.pipeline(transaction=False)
+            for sid in chunk:
+                pipe.hget(k.session(sid), "workload")
+            workloads = [w.decode() if w else None for w in pipe.execute()]
+            keys = [k.lease, k.heartbeat(backend_id), k.ledger(backend_id),
+                    k.ledger_sessions(backend_id), k.admitted(backend_id), k.events]
+            args: list = [self.lease.token, backend_id, repr(time.time())]
+            for sid, w in zip(chunk, workloads):
+                # A session hash without a workload cannot be requeued; the script still
+                # releases its reservation (the requeue key is then never written).
+                keys += [k.session(sid), k.requeue(w or "unknown")]
+                args.append(sid)
+            reply = self._scripts.reclaim(keys=keys, args=args)
+            if as_text(reply) == "lease":
+                return False
+            if as_text(reply) == "alive":
+                return True
+            log.warning("backend %s: heartbeat expired, requeued %s sessions", backend_id, reply)
+        return True
+
+    # -- deciding -------------------------------------------------------------------------------
+    def _pending_view(self) -> dict[str, list[PendingItem]]:
+        out = {}
+        n = self.settings.window
+        for w in self._workloads:
+            items = [h.item for h in list(self._front.get(w, {}).values())[:n]]
+            if len(items) < n:
+                for h in self._back.get(w, {}).values():
+                    items.append(h.item)
+                    if len(items) >= n:
+                        break
+            out[w] = items
+        return out
+
+    def _find(self, sid: str) -> tuple[dict[str, _Held], _Held] | None:
+        for table in (self._front, self._back):
+            for queue in table.values():
+                held = queue.get(sid)
+                if held is not None:
+                    return queue, held
+        return None
+
+    def _decide_and_apply(self, fleet: FleetRead) -> int:
+        pending = self._pending_view()
+        completions, self._completions = self._completions, []
+        if not any(pending.values()) and not completions:
+            return 0
+        now = time.time()
+        snap = build_snapshot(now, pending, fleet, self._meta, completions)
+        decision = self.policy.decide(snap)
+        return self._apply(decision, fleet.ledgers, now)
+
+    def _apply(self, decision: Decision, ledgers: Mapping[str, LedgerState], now: float) -> int:
+        k, token = self.keys, self.lease.token
+        pipe = self._client.pipeline(transaction=False)
+        placed: list[tuple[dict[str, _Held], _Held, str]] = []
+        # A router baseline forwards everything and lets the engine queue: the ledger charges
+        # its sessions but does not hold them back, or the baseline would be secretly admitted.
+        enforce = "0" if self.policy.dispatch_on_arrival else "1"
+        for adm in decision.admissions:
+            found = self._find(adm.session_id)
+            if found is None or adm.backend_id not in ledgers:
+                log.error("policy %s admitted %s to %s: unknown session or backend",
+                          self.policy.name, adm.session_id, adm.backend_id)
+                continue
+            queue, held = found
+            b = adm.backend_id
+            self._scripts.admit(
+                keys=[k.lease, k.session(adm.session_id), k.ledger(b), k.ledger_sessions(b),
+                      k.heartbeat(b), k.admitted(b), held.entry.stream],
+                args=[token, adm.session_id, b, int(adm.reserved_tokens), held.entry.entry_id,
+                      repr(now), enforce],
+                client=pipe)
+            placed.append((queue, held, b))
+        for b, alpha in decision.alpha.items():
+            if b in ledgers and alpha > 0:
+                pipe.hset(k.ledger(b), "alpha", repr(float(alpha)))
+        for sid, tokens in decision.recharge.items():
+            meta_b = next((b for b, led in ledgers.items() if sid in led.sessions), None)
+            if meta_b is not None:
+                self._scripts.recharge(
+                    keys=[k.lease, k.session(sid), k.ledger(meta_b), k.ledger_sessions(meta_b)],
+                    args=[token, sid, meta_b, int(tokens)], client=pipe)
+        replies = pipe.execute(raise_on_error=True) if len(pipe) else []
+        admitted = 0
+        for (queue, held, b), reply in zip(placed, replies):
+            r = as_text(reply)
+            sid = held.item.session_id
+            if r == "ok":
+                queue.pop(sid, None)
+                self._meta[sid] = resident_meta(held.entry.session, now)
+                admitted += 1
+            elif r == "not_pending":  # cancelled or placed before: its entry is acked now
+                queue.pop(sid, None)
+            elif r == "lease":
+                self.lease.held = False
+                break
+            # 'no_capacity' / 'unhealthy' / 'no_backend': the session stays pending.
+        self.admitted_total += admitted
+        return admitted

@@ -1,0 +1,173 @@
+"""The worker-side API: how a GPU worker (or a simulated backend) talks to the broker.
+
+One `WorkerLink` per backend (one engine). The worker's loop, in order:
+
+    link = WorkerLink(redis_url, namespace, backend_id)
+    link.register(capacity_tokens=C, max_model_len=L)      # once at start (idempotent)
+    while running:
+        link.heartbeat(metrics, progress)                  # every ~1 s, TTL ≈ 3 beats
+        for a in link.read_admitted(count=64, block_ms=1000):
+            if link.mark_running(a.session.session_id):    # False: cancelled/moved: drop it
+                ... run a.session on the engine ...
+                link.finish(result, stats)                 # exactly one result, idempotent
+
+A worker that restarts with the same backend id first gets back the admitted entries it had read
+but not finished (its consumer-group backlog), so nothing admitted to it is lost. If its
+heartbeat lapsed meanwhile, the broker has requeued those sessions elsewhere: `mark_running`
+and `finish` then say 'stale' and the worker drops them, so no result is published twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis
+from pydantic import BaseModel, ConfigDict, Field
+
+from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S, EngineMetrics, HeartbeatRecord, SessionProgress
+from broker.keys import WORKERS_GROUP, Keys, check_backend_id
+from broker.ledger import Ledger
+from broker.scripts import Scripts, as_text
+from broker.session import Session, SessionResult, SessionState
+
+
+class CompletionStats(BaseModel):
+    """What a finished session tells the broker's predictors beyond the trainer's result."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    turn_output_tokens: list[int] = Field(default_factory=list)
+    tool_wait_s: float = Field(default=0.0, ge=0.0)
+    kv_token_seconds: float = Field(default=0.0, ge=0.0)
+    truncated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AdmittedSession:
+    entry_id: str
+    session: Session
+    reserved_tokens: int
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+class WorkerLink:
+    def __init__(self, redis_url: str, namespace: str, backend_id: str,
+                 heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S) -> None:
+        self.backend_id = check_backend_id(backend_id)
+        self.keys = Keys(namespace)
+        self._client = redis.Redis.from_url(redis_url)
+        self._scripts = Scripts(self._client)
+        self._ledger = Ledger(self._client, self.keys)
+        self.heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
+        # Entries delivered to us before a restart are read first, from the cursor on, until
+        # a short read says the backlog is exhausted; then only new entries ('>').
+        self._backlog_done = False
+        self._backlog_cursor = "0"
+
+    def close(self) -> None:
+        self._client.close()
+
+    def register(self, capacity_tokens: int, max_model_len: int) -> None:
+        self._ledger.register_backend(self.backend_id, capacity_tokens, max_model_len)
+        self._backlog_done = False
+        self._backlog_cursor = "0"
+
+    def heartbeat(self, metrics: EngineMetrics, progress: Sequence[SessionProgress] = (),
+                  at: float | None = None) -> None:
+        record = HeartbeatRecord(backend_id=self.backend_id, at=time.time() if at is None else at,
+                                 metrics=metrics, sessions=list(progress))
+        k = self.keys
+        reply = as_text(self._scripts.heartbeat(
+            keys=[k.heartbeat(self.backend_id), k.ledger(self.backend_id), k.events],
+            args=[self.backend_id, record.model_dump_json(), self.heartbeat_ttl_ms]))
+        if reply != "ok":
+            raise RuntimeError(f"heartbeat: backend {self.backend_id!r} is not registered ({reply})")
+
+    def read_admitted(self, count: int = 64, block_ms: int | None = 1000) -> list[AdmittedSession]:
+        """Sessions admitted here: first our unfinished backlog, then new ones (blocking)."""
+        stream = self.keys.admitted(self.backend_id)
+        backlog = not self._backlog_done
+        start = self._backlog_cursor if backlog else ">"
+        try:
+            reply = self._client.xreadgroup(WORKERS_GROUP, self.backend_id, {stream: start},
+                                            count=count, block=None if backlog else block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # The broker reclaimed this backend (heartbeat lapsed) and dropped its stream.
+            raise BackendReclaimed(self.backend_id) from None
+        entries = reply[0][1] if reply else []
+        if backlog:
+            if entries:
+                self._backlog_cursor = _text(entries[-1][0])
+            if len(entries) < count:
+                self._backlog_done = True
+            if not entries:
+                return self.read_admitted(count, block_ms)
+        out = []
+        for entry_id, fields in entries:
+            if not fields:  # finished or cancelled meanwhile: the scripts deleted the entry
+                self._client.xack(stream, WORKERS_GROUP, entry_id)
+                continue
+            f = {_text(k): v for k, v in fields.items()}
+            out.append(AdmittedSession(entry_id=_text(entry_id),
+                                       session=Session.model_validate_json(f["session"]),
+                                       reserved_tokens=int(f["reserved"])))
+        return out
+
+    def mark_running(self, session_id: str, now: float | None = None) -> bool:
+        """True: run it. False: it was cancelled, finished or moved away; drop it."""
+        return self.mark_running_many([session_id], now)[0]
+
+    def mark_running_many(self, session_ids: Sequence[str], now: float | None = None) -> list[bool]:
+        """`mark_running` for several sessions in one round trip."""
+        at = repr(time.time() if now is None else now)
+        pipe = self._client.pipeline(transaction=False)
+        for sid in session_ids:
+            self._scripts.mark_running(keys=[self.keys.session(sid)], args=[self.backend_id, at],
+                                       client=pipe)
+        return [as_text(r) == "ok" for r in pipe.execute()] if session_ids else []
+
+    def finish(self, result: SessionResult, stats: CompletionStats | None = None,
+               now: float | None = None) -> str:
+        """Publish the session's result. Returns 'ok', 'duplicate' or 'stale' (not published)."""
+        return self.finish_many([(result, stats)], now)[0]
+
+    def finish_many(self, finished: Sequence[tuple[SessionResult, CompletionStats | None]],
+                    now: float | None = None) -> list[str]:
+        """`finish` for several sessions in one round trip; one reply per session, in order."""
+        now = time.time() if now is None else now
+        pipe = self._client.pipeline(transaction=False)
+        for result, stats in finished:
+            self._finish(result, stats, now, pipe)
+        return [as_text(r) for r in pipe.execute()] if finished else []
+
+    def _finish(self, result: SessionResult, stats: CompletionStats | None, now: float,
+                pipe: redis.client.Pipeline) -> None:
+        if result.status not in (SessionState.done, SessionState.failed):
+            raise ValueError(f"status: a worker finishes with done or failed, not {result.status!r}")
+        if result.backend_id not in (None, self.backend_id):
+            raise ValueError(f"backend_id: result names {result.backend_id!r}, not this backend")
+        stats = stats or CompletionStats()
+        result = result.model_copy(update={"backend_id": self.backend_id,
+                                           "finished_at": result.finished_at or now})
+        k, b = self.keys, self.backend_id
+        self._scripts.finish(
+            keys=[k.session(result.session_id), k.ledger(b), k.ledger_sessions(b), k.admitted(b),
+                  k.results, k.events, k.kv_seconds],
+            args=[result.session_id, b, result.status.value, result.model_dump_json(),
+                  stats.model_dump_json(), repr(now), repr(stats.kv_token_seconds)],
+            client=pipe)
+
+
+class BackendReclaimed(RuntimeError):
+    """The broker declared this backend dead; call `register` again, then carry on."""
+
+    def __init__(self, backend_id: str) -> None:
+        super().__init__(f"backend_id: {backend_id!r} was reclaimed after its heartbeat expired; "
+                         "register again")

@@ -1,0 +1,391 @@
+"""The fleet simulator: N simulated vLLM engines, a policy, agentic tool waits and the trainer,
+on one virtual clock (DESIGN §3 "one policy core, two drivers", §6).
+
+What the policy sees is what the live broker would see: pending placements, the ledger
+(its own admissions and reservations, immediately), and per-backend telemetry and per-session
+progress refreshed by a heartbeat every `heartbeat_s` virtual seconds. The simulated truth
+(output lengths, tool latencies) drives the engines and tools and never enters a snapshot.
+
+Dispatch: a policy with `dispatch_on_arrival` (an HTTP router) places every request — each
+agentic turn too — as it arrives, and the engine queues it. A broker policy places whole
+sessions when it chooses to; the session's later turns run on the same backend.
+
+The event loop takes, at each iteration, the earliest of: an engine's next segment end
+(`EngineCore.next_event_time`), a tool return, a reward/test completion, a heartbeat. The
+policy is asked after every batch of events at one instant that changed what it could decide.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from broker.policies.base import (
+    BackendView,
+    Completion,
+    Decision,
+    PendingItem,
+    Policy,
+    ResidentSession,
+    Snapshot,
+    Telemetry,
+)
+from sim.engine.core import EngineCore
+from sim.engine.profiles import get_profile
+from sim.engine.request import EngineRequest, FinishReason
+from sim.metrics import (
+    EngineCounters,
+    IterationRecord,
+    KvSample,
+    RunMetrics,
+    SessionRecord,
+    Trainer,
+    summarize,
+)
+from sim.scenario import Scenario
+from sim.workloads.source import SessionSource
+from sim.workloads.truth import SimSession
+
+# Event kinds, in the order they are handled at one instant.
+_RESULT, _TOOL_RETURN, _HEARTBEAT = 0, 1, 2
+
+
+class SimulationError(RuntimeError):
+    """The run cannot go on (a policy that never admits, a limit reached)."""
+
+
+@dataclass(slots=True)
+class _Live:
+    """A session in flight: its truth, where it runs, and what it has produced so far."""
+
+    sim: SimSession
+    enqueued_at: float
+    admitted_at: float | None = None
+    backend: str | None = None  # home backend (broker policies) or the current turn's (routers)
+    reserved: int = 0  # ledger charge
+    turn: int = 0  # the turn now running or next to run
+    outputs: list[list[int]] = field(default_factory=list)  # per finished turn
+    history: list[int] = field(default_factory=list)  # the next turn's prompt
+    history_hashes: list[int] = field(default_factory=list)  # its leading full blocks' chain hashes
+    cached_tokens: int = 0
+    first_token_at: float | None = None
+    request: EngineRequest | None = None  # the turn on an engine now
+    prompt_len: int = 0  # this turn's prompt length
+    waiting_on_tool: bool = False
+    tool_wait_s: float = 0.0
+    kv_token_seconds: float = 0.0
+    truncated: bool = False
+
+
+@dataclass
+class FleetResult:
+    policy: str
+    metrics: RunMetrics
+    iterations: list[IterationRecord]
+    sessions: list[SessionRecord]
+    kv_samples: list[KvSample]
+    engines: list[EngineCounters]
+    completed: bool  # every trainer iteration finished before a limit cut the run
+    sim_time_s: float
+    decide_calls: int
+
+
+class FleetSim:
+    def __init__(self, scenario: Scenario, policy: Policy | None, source: SessionSource, *,
+                 heartbeat_s: float = 1.0,
+                 on_iteration: Callable[[IterationRecord], None] | None = None) -> None:
+        self.scenario = scenario
+        self.policy = policy
+        self.heartbeat_s = heartbeat_s
+        self.on_iteration = on_iteration
+        try:
+            profile = get_profile(scenario.fleet.profile)
+        except ValueError as e:
+            raise SimulationError(f"fleet.{e}") from None
+        if scenario.vocab_size > profile.vocab_size:
+            raise SimulationError(
+                f"vocab_size: {scenario.vocab_size} exceeds the {profile.name} profile's "
+                f"vocabulary ({profile.vocab_size}); prompts would hold ids the model lacks")
+        self.engines: dict[str, EngineCore] = {
+            f"e{i}": EngineCore(profile, kv_tokens=scenario.fleet.kv_tokens, seed=scenario.seed + i)
+            for i in range(scenario.fleet.engines)
+        }
+        self.trainer = Trainer.from_scenario(scenario, source)
+        self.now = 0.0
+        self.live: dict[str, _Live] = {}
+        self.by_request: dict[str, _Live] = {}
+        self.pending: dict[str, deque[PendingItem]] = {w: deque() for w in scenario.mixture}
+        # The ledger as the live broker keeps it: resident sessions per backend, α per backend.
+        self.resident: dict[str, dict[str, ResidentSession]] = {b: {} for b in self.engines}
+        self.alpha: dict[str, float] = {b: 1.0 for b in self.engines}
+        self.telemetry: dict[str, Telemetry] = {}
+        self.completions: list[Completion] = []
+        self.records: list[SessionRecord] = []
+        self.kv_samples: list[KvSample] = []
+        self._events: list[tuple[float, int, int, str]] = []
+        self._seq = itertools.count()
+        self._dirty = True  # something changed that the policy may act on
+        self.decide_calls = 0
+
+    def true_output_lengths(self, session_id: str) -> tuple[int, ...]:
+        """The hidden truth, for the `oracle` reference policy only (the bench wires it in)."""
+        return self.live[session_id].sim.truth.output_tokens
+
+    # -- driving ---------------------------------------------------------------------------
+    def run(self) -> FleetResult:
+        if self.policy is None:
+            raise SimulationError("policy: set a policy before running the simulation")
+        limits = self.scenario.limits
+        wall0 = time.monotonic()
+        self._enqueue_from_trainer()
+        self._heartbeat()
+        self._schedule(self.heartbeat_s, _HEARTBEAT, "")
+        self._maybe_decide()
+        idle_beats = 0
+        while not self.trainer.done:
+            t_eng, eng_id = min(
+                ((t, b) for b, e in self.engines.items() if (t := e.next_event_time()) is not None),
+                default=(float("inf"), ""),
+            )
+            t_ext = self._events[0][0] if self._events else float("inf")
+            t = min(t_eng, t_ext)
+            if t > limits.max_sim_time_s or time.monotonic() - wall0 > limits.max_wall_s:
+                break
+            self.now = max(self.now, t)
+            if t_eng <= t_ext:
+                for req in self.engines[eng_id].advance(t_eng):
+                    self._on_turn_finished(req)
+            else:
+                _, kind, _, sid = heapq.heappop(self._events)
+                if kind == _HEARTBEAT:
+                    stuck = self._fleet_idle() and any(self.pending.values())
+                    idle_beats = idle_beats + 1 if stuck else 0
+                    if idle_beats > 120:
+                        raise SimulationError(
+                            f"policy {self.policy.name!r} admitted nothing for 120 s while "
+                            f"{sum(map(len, self.pending.values()))} sessions were pending and the fleet was idle"
+                        )
+                    self._heartbeat()
+                    self._schedule(self.now + self.heartbeat_s, _HEARTBEAT, "")
+                elif kind == _TOOL_RETURN:
+                    self._on_tool_return(self.live[sid])
+                else:
+                    self._on_result(self.live.pop(sid))
+            # Handle everything else due at this instant before asking the policy.
+            if self._events and self._events[0][0] <= self.now:
+                continue
+            self._maybe_decide()
+        return self._result()
+
+    def _fleet_idle(self) -> bool:
+        return all(not e.scheduler.running and not e.scheduler.waiting for e in self.engines.values()) \
+            and not any(k == _TOOL_RETURN for _, k, _, _ in self._events)
+
+    def _schedule(self, at: float, kind: int, sid: str) -> None:
+        heapq.heappush(self._events, (at, kind, next(self._seq), sid))
+
+    # -- the trainer side ------------------------------------------------------------------
+    def _enqueue_from_trainer(self) -> None:
+        for sim in self.trainer.enqueue(self.now):
+            live = _Live(sim, enqueued_at=self.now, history=list(sim.session.prompt_token_ids))
+            self.live[sim.session_id] = live
+            self._make_pending(live)
+
+    def _make_pending(self, live: _Live) -> None:
+        s = live.sim.session
+        prompt = live.history
+        self.pending[s.workload].append(PendingItem(
+            session_id=s.session_id, workload=s.workload, group_id=s.group_id,
+            group_size=s.group_size, prompt_tokens=len(prompt), prefix=tuple(prompt),
+            max_tokens=s.max_tokens, max_turns=s.max_turns, turn=live.turn,
+            home_backend=live.backend if live.turn else None, enqueued_at=self.now,
+        ))
+        self._dirty = True
+
+    # -- the policy ------------------------------------------------------------------------
+    def _maybe_decide(self) -> None:
+        if not self._dirty or not any(self.pending.values()):
+            return
+        self._dirty = False
+        snapshot = Snapshot(
+            now=self.now,
+            pending={w: tuple(q) for w, q in self.pending.items()},
+            backends=tuple(self._backend_view(b) for b in self.engines),
+            mixture_target=self.trainer.mixture,
+            consumed=dict(self.trainer.consumed),
+            new_completions=tuple(self.completions),
+        )
+        self.completions = []
+        self.decide_calls += 1
+        self._apply(self.policy.decide(snapshot))
+
+    def _backend_view(self, b: str) -> BackendView:
+        engine = self.engines[b]
+        return BackendView(
+            backend_id=b, capacity_tokens=engine.num_gpu_blocks * engine.block_size,
+            max_model_len=engine.max_model_len, healthy=True, alpha=self.alpha[b],
+            telemetry=self.telemetry.get(b), sessions=tuple(self.resident[b].values()),
+        )
+
+    def _apply(self, decision: Decision) -> None:
+        for b, a in decision.alpha.items():
+            if b in self.alpha:
+                self.alpha[b] = a
+        for sid, tokens in decision.recharge.items():
+            live = self.live.get(sid)
+            if live is not None and live.backend is not None and live.admitted_at is not None:
+                live.reserved = tokens
+                self._update_resident(live)
+        admitted: dict[str, set[str]] = {}
+        for adm in decision.admissions:
+            live = self.live.get(adm.session_id)
+            if live is None or adm.backend_id not in self.engines:
+                raise SimulationError(f"policy {self.policy.name!r} admitted unknown "
+                                      f"session {adm.session_id!r} or backend {adm.backend_id!r}")
+            admitted.setdefault(live.sim.workload, set()).add(adm.session_id)
+            if live.admitted_at is None:
+                live.admitted_at = self.now
+            live.backend = adm.backend_id
+            live.reserved = adm.reserved_tokens
+            self._submit_turn(live)
+        for w, ids in admitted.items():
+            q = self.pending[w]
+            before = len(q)
+            self.pending[w] = deque(p for p in q if p.session_id not in ids)
+            if before - len(self.pending[w]) != len(ids):
+                raise SimulationError(f"policy {self.policy.name!r} admitted a session that was not pending")
+
+    # -- sessions on engines ---------------------------------------------------------------
+    def _submit_turn(self, live: _Live) -> None:
+        sim = live.sim
+        prompt = live.history
+        req = EngineRequest(
+            request_id=f"{sim.session_id}#{live.turn}", prompt_token_ids=prompt,
+            max_tokens=sim.session.max_tokens, output_len=sim.truth.output_tokens[live.turn],
+            seed=sim.truth.token_seed * 1000 + live.turn, arrival_time=self.now,
+            prefix_block_hashes=live.history_hashes,
+        )
+        live.request = req
+        live.prompt_len = len(prompt)
+        live.waiting_on_tool = False
+        self.by_request[req.request_id] = live
+        self.engines[live.backend].add_request(req)
+        self._update_resident(live)
+
+    def _on_turn_finished(self, req: EngineRequest) -> None:
+        live = self.by_request.pop(req.request_id)
+        live.request = None
+        live.outputs.append(req.output_token_ids)
+        live.cached_tokens += max(0, req.num_cached_tokens)
+        live.truncated |= req.finish_reason is FinishReason.length
+        if live.first_token_at is None:
+            live.first_token_at = req.first_token_time
+        # KV held by this turn: prompt + growing output, from scheduling to finish (approximation:
+        # the context is resident from first token to finish, plus the prefill interval).
+        if req.first_token_time is not None and req.finish_time is not None:
+            live.kv_token_seconds += (req.finish_time - req.first_token_time) * (
+                live.prompt_len + req.num_output_tokens / 2.0)
+        live.turn += 1
+        truth = live.sim.truth
+        if live.turn < truth.turns:
+            # Turn k+1's prompt is turn k's prompt, its output and the tool's observation; the
+            # hashes of the blocks the engine already computed carry over.
+            live.history = live.history + live.outputs[-1] + truth.observation_token_ids(live.turn - 1)
+            live.history_hashes = req.block_hashes  # all within prompt + output tokens
+            wait = truth.tool_latency_s[live.turn - 1]
+            live.tool_wait_s += wait
+            live.waiting_on_tool = True
+            self._update_resident(live)
+            self._schedule(self.now + wait, _TOOL_RETURN, live.sim.session_id)
+            if self.policy.dispatch_on_arrival:
+                self._release(live)  # a router forgets a request once it is answered
+            return
+        self._release(live)
+        self.completions.append(Completion(
+            session_id=live.sim.session_id, workload=live.sim.workload, backend_id=live.backend,
+            prompt_tokens=len(live.sim.session.prompt_token_ids), output_tokens=sum(map(len, live.outputs)),
+            turn_output_tokens=tuple(map(len, live.outputs)), turns=live.turn,
+            tool_wait_s=live.tool_wait_s, kv_token_seconds=live.kv_token_seconds,
+            admitted_at=live.admitted_at, finished_at=self.now, truncated=live.truncated,
+        ))
+        self._dirty = True
+        self._schedule(self.now + truth.final_latency_s, _RESULT, live.sim.session_id)
+
+    def _on_tool_return(self, live: _Live) -> None:
+        if self.policy.dispatch_on_arrival:
+            self._make_pending(live)  # the router sees the next turn as a new request
+        else:
+            self._submit_turn(live)  # the worker runs the next turn on its own engine
+
+    def _on_result(self, live: _Live) -> None:
+        sim = live.sim
+        record = SessionRecord(
+            session_id=sim.session_id, workload=sim.workload, enqueued_at=live.enqueued_at,
+            admitted_at=live.admitted_at, first_token_at=live.first_token_at, finished_at=self.now,
+            prompt_tokens=len(sim.session.prompt_token_ids), output_tokens=sum(map(len, live.outputs)),
+            cached_tokens=live.cached_tokens, turns=live.turn,
+        )
+        self.records.append(record)
+        for it in self.trainer.on_result(record, self.now):
+            if self.on_iteration is not None:
+                self.on_iteration(it)
+        self._enqueue_from_trainer()
+
+    # -- the ledger view -------------------------------------------------------------------
+    def _update_resident(self, live: _Live) -> None:
+        s = live.sim.session
+        req = live.request
+        out_now = req.num_output_tokens if req is not None else 0
+        done_out = sum(map(len, live.outputs))
+        self.resident[live.backend][s.session_id] = ResidentSession(
+            session_id=s.session_id, workload=s.workload, group_id=s.group_id,
+            reserved_tokens=live.reserved, prompt_tokens=len(s.prompt_token_ids),
+            context_tokens=live.prompt_len + out_now, generated_tokens=done_out + out_now,
+            turn=live.turn + (1 if req is not None else 0), max_tokens=s.max_tokens,
+            max_turns=s.max_turns, waiting_on_tool=live.waiting_on_tool,
+            admitted_at=live.admitted_at if live.admitted_at is not None else self.now,
+        )
+
+    def _release(self, live: _Live) -> None:
+        self.resident[live.backend].pop(live.sim.session_id, None)
+        self._dirty = True
+
+    def _heartbeat(self) -> None:
+        """What workers report once per heartbeat: engine metrics and session progress."""
+        for b, engine in self.engines.items():
+            st = engine.stats()
+            self.telemetry[b] = Telemetry(
+                at=self.now, kv_usage=st.kv_usage, running=st.num_running, waiting=st.num_waiting,
+                preemptions_total=st.num_preemptions_total,
+                prefix_queries_total=st.prefix_queries_total, prefix_hits_total=st.prefix_hits_total,
+            )
+            self.kv_samples.append(KvSample(at=self.now, engine_id=b, usage=st.kv_usage))
+            for sid in list(self.resident[b]):
+                self._update_resident(self.live[sid])
+        self._dirty = True
+
+    # -- results ---------------------------------------------------------------------------
+    def _result(self) -> FleetResult:
+        engines = []
+        for b, e in self.engines.items():
+            st = e.stats()
+            engines.append(EngineCounters(engine_id=b, prefix_queries=st.prefix_queries_total,
+                                          prefix_hits=st.prefix_hits_total,
+                                          preemptions=st.num_preemptions_total))
+        iterations = self.trainer.iterations
+        end = iterations[-1].done_at if iterations else self.now
+        if not iterations or end <= 0:
+            raise SimulationError(
+                f"policy {self.policy.name!r}: no iteration completed within the scenario's limits "
+                f"(simulated {self.now:.0f} s)")
+        metrics = summarize(self.records, iterations, engines, self.kv_samples,
+                            self.trainer.mixture, 0.0, end)
+        return FleetResult(
+            policy=self.policy.name, metrics=metrics, iterations=list(iterations),
+            sessions=list(self.records), kv_samples=self.kv_samples, engines=engines,
+            completed=self.trainer.done, sim_time_s=self.now, decide_calls=self.decide_calls,
+        )

@@ -1,0 +1,224 @@
+"""The FastAPI app: vLLM's HTTP surface over one simulated engine core.
+
+Routes (as vLLM serves them): POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize,
+/v1/completions/render, /v1/chat/completions/render; GET /v1/models, /health, /ping, /version,
+/metrics, /server_info. Nothing is created at import time; `create_app` builds the engine core and
+the driver task starts with the app's lifespan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from sim.engine.core import EngineCore
+from sim.engine.profiles import EngineProfile, get_profile
+from sim.server import prompts as P
+from sim.server import serving
+from sim.server.driver import EngineDriver
+from sim.server.errors import ApiError, api_error_handler, validation_error_handler
+from sim.server.metrics import CacheConfigInfo, build_registry
+from sim.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    GenerateRequest,
+    ModelCard,
+    ModelList,
+    ModelPermission,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    random_uuid,
+)
+from sim.server.tokenizer import SimTokenizer
+
+SIM_VERSION = "0.1.0+sim"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    profile: str = "h200-30b-a3b"
+    time_scale: float = 1.0
+    kv_tokens: int | None = None
+    seed: int = 0
+    model_name: str | None = None
+
+
+@dataclass
+class ServerState:
+    """What every route needs; one per app, held in `app.state.sim`."""
+
+    profile: EngineProfile
+    model_name: str
+    tokenizer: SimTokenizer
+    core: EngineCore
+    driver: EngineDriver
+    registry: CollectorRegistry
+
+    @property
+    def max_model_len(self) -> int:
+        """The core's: shrunk below the profile's when an overridden KV capacity can't hold it."""
+        return self.core.max_model_len
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError.model_not_found(name)
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.sim
+
+
+StateDep = Annotated[ServerState, Depends(get_state)]
+
+
+def build_state(settings: EngineSettings) -> ServerState:
+    profile = get_profile(settings.profile)
+    core = EngineCore(profile, kv_tokens=settings.kv_tokens, seed=settings.seed)
+    driver = EngineDriver(core, time_scale=settings.time_scale)
+    model_name = settings.model_name or profile.served_model
+    cache_info = CacheConfigInfo(block_size=core.block_size, num_gpu_blocks=core.num_gpu_blocks)
+    return ServerState(profile=profile, model_name=model_name,
+                       tokenizer=SimTokenizer(profile.vocab_size), core=core, driver=driver,
+                       registry=build_registry(model_name, driver.stats, cache_info))
+
+
+def create_app(settings: EngineSettings) -> FastAPI:
+    state = build_state(settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.driver.start()
+        yield
+        await state.driver.stop()
+
+    app = FastAPI(title="rollout-broker simulated vLLM", version=SIM_VERSION, lifespan=lifespan)
+    app.state.sim = state
+    app.add_exception_handler(ApiError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    _add_generation_routes(app)
+    _add_token_routes(app)
+    _add_info_routes(app)
+    return app
+
+
+def _add_generation_routes(app: FastAPI) -> None:
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest, s: StateDep) -> Any:
+        s.check_model(req.model)
+        prompts, limits = P.completion_inputs(req, s.tokenizer, s.profile.vocab_size,
+                                              s.max_model_len)
+        request_id = f"cmpl-{req.request_id or random_uuid()}"
+        gen = serving.start_generation(s.driver, request_id, s.model_name, prompts, limits, req)
+        echo = bool(req.echo)
+        if req.stream:
+            return StreamingResponse(serving.completion_stream(s.driver, gen, s.tokenizer, req,
+                                                               echo),
+                                     media_type="text/event-stream")
+        await serving.wait_all(s.driver, gen)
+        return serving.completion_response(gen, s.tokenizer, req, echo)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(req: ChatCompletionRequest, s: StateDep) -> Any:
+        s.check_model(req.model)
+        prompt, limit = P.chat_inputs(req, s.tokenizer, s.max_model_len)
+        request_id = f"chatcmpl-{req.request_id or random_uuid()}"
+        gen = serving.start_generation(s.driver, request_id, s.model_name, [prompt], [limit], req)
+        if req.stream:
+            return StreamingResponse(serving.chat_stream(s.driver, gen, s.tokenizer, req),
+                                     media_type="text/event-stream")
+        await serving.wait_all(s.driver, gen)
+        return serving.chat_response(gen, s.tokenizer, req)
+
+
+def _add_token_routes(app: FastAPI) -> None:
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest,
+                       s: StateDep) -> TokenizeResponse:
+        s.check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            ids = P.chat_prompt(req.messages, req.add_generation_prompt,
+                                req.continue_final_message, s.tokenizer).token_ids
+        else:
+            ids = s.tokenizer.encode(req.prompt)
+        strs = [s.tokenizer.piece(i) for i in ids] if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=s.max_model_len, tokens=ids,
+                                token_strs=strs)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest, s: StateDep) -> DetokenizeResponse:
+        s.check_model(req.model)
+        try:
+            return DetokenizeResponse(prompt=s.tokenizer.decode(req.tokens))
+        except ValueError as exc:
+            raise ApiError.from_engine(exc) from exc
+
+    @app.post("/v1/completions/render")
+    async def render_completion(req: CompletionRequest, s: StateDep) -> list[GenerateRequest]:
+        s.check_model(req.model)
+        prompts, limits = P.completion_inputs(req, s.tokenizer, s.profile.vocab_size,
+                                              s.max_model_len)
+        return [GenerateRequest(request_id=f"cmpl-{random_uuid()}", token_ids=pr.token_ids,
+                                model=s.model_name, sampling_params=P.sampling_params(req, limit),
+                                stream=req.stream, stream_options=req.stream_options)
+                for pr, limit in zip(prompts, limits)]
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(req: ChatCompletionRequest, s: StateDep) -> GenerateRequest:
+        s.check_model(req.model)
+        prompt, limit = P.chat_inputs(req, s.tokenizer, s.max_model_len)
+        return GenerateRequest(request_id=f"chatcmpl-{random_uuid()}", token_ids=prompt.token_ids,
+                               model=s.model_name, sampling_params=P.sampling_params(req, limit),
+                               stream=req.stream, stream_options=req.stream_options)
+
+
+def _add_info_routes(app: FastAPI) -> None:
+    @app.get("/v1/models")
+    async def models(s: StateDep) -> ModelList:
+        card = ModelCard(id=s.model_name, root=s.model_name, max_model_len=s.max_model_len,
+                         permission=[ModelPermission()])
+        return ModelList(data=[card])
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": SIM_VERSION}
+
+    @app.get("/metrics")
+    async def metrics(s: StateDep) -> Response:
+        return Response(generate_latest(s.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/server_info")
+    async def server_info(s: StateDep) -> JSONResponse:
+        """The part of vLLM's server_info routers read: the served model and the block size."""
+        return JSONResponse({"vllm_config": {
+            "model_config": {"model": s.model_name, "max_model_len": s.max_model_len},
+            "cache_config": {"block_size": s.core.block_size,
+                             "num_gpu_blocks": s.core.num_gpu_blocks},
+        }})
+
+
+def serve(host: str = "127.0.0.1", port: int = 8000, profile: str = "h200-30b-a3b",
+          time_scale: float = 1.0, kv_tokens: int | None = None, seed: int = 0,
+          model_name: str | None = None) -> None:
+    """Run the server in the foreground until interrupted (`rollout-broker sim-engine`)."""
+    settings = EngineSettings(profile=profile, time_scale=time_scale, kv_tokens=kv_tokens,
+                              seed=seed, model_name=model_name)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")

@@ -1,0 +1,117 @@
+"""Wall-clock driver: one asyncio task steps the engine core on a scaled clock.
+
+virtual = (wall − wall0) × time_scale. The task calls `core.advance(until=virtual_now)` every
+`tick_s` wall seconds while work is pending (and sleeps until woken when idle); a request that the
+core reports finished is released to its caller once the virtual clock reaches its
+`finish_time`, so latency seen over HTTP matches the simulated step times.
+
+The core is single-threaded and not thread-safe: it is touched only from the event loop thread
+(this task, `submit`, `abort` and `stats` are all called on the loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from collections.abc import Callable
+
+from sim.engine.core import EngineCore, EngineStats
+from sim.engine.request import EngineRequest
+
+
+class EngineDriver:
+    def __init__(self, core: EngineCore, time_scale: float = 1.0, tick_s: float = 0.002,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if time_scale <= 0:
+            raise ValueError(f"time_scale: must be > 0, got {time_scale}")
+        self.core = core
+        self.time_scale = time_scale
+        self.tick_s = tick_s
+        self._clock = clock
+        self._wall0 = clock()
+        self._virtual0 = core.now
+        self._futures: dict[str, asyncio.Future[EngineRequest]] = {}
+        # (finish_time, seq, request): finished in the core, not yet due on the virtual clock.
+        self._due: list[tuple[float, int, EngineRequest]] = []
+        self._seq = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def virtual_now(self) -> float:
+        return self._virtual0 + (self._clock() - self._wall0) * self.time_scale
+
+    def start(self) -> None:
+        assert self._task is None, "driver already started"
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-driver")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for fut in self._futures.values():
+            if not fut.done():
+                fut.cancel()
+        self._futures.clear()
+
+    def submit(self, request: EngineRequest) -> asyncio.Future[EngineRequest]:
+        """Add `request` at the current virtual time; the future resolves when it finishes.
+
+        Raises ValueError("<field>: reason") from the core on bad input, before anything runs.
+        """
+        assert request.request_id not in self._futures, f"duplicate request id {request.request_id}"
+        self._catch_up()
+        request.arrival_time = max(self.core.now, self.virtual_now())
+        self.core.add_request(request)
+        fut: asyncio.Future[EngineRequest] = asyncio.get_running_loop().create_future()
+        self._futures[request.request_id] = fut
+        self._wake.set()
+        return fut
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request whose client went away; its future is cancelled."""
+        self.core.abort_request(request_id)
+        fut = self._futures.pop(request_id, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+
+    def stats(self) -> EngineStats:
+        self._catch_up()
+        return self.core.stats()
+
+    def _catch_up(self) -> None:
+        """Advance the core to the virtual present and queue what finished."""
+        now = self.virtual_now()
+        if now > self.core.now:
+            for req in self.core.advance(until=now):
+                finish = req.finish_time if req.finish_time is not None else now
+                heapq.heappush(self._due, (finish, next(self._seq), req))
+        self._release(now)
+
+    def _release(self, now: float) -> None:
+        while self._due and self._due[0][0] <= now:
+            _, _, req = heapq.heappop(self._due)
+            fut = self._futures.pop(req.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(req)
+
+    async def _run(self) -> None:
+        while True:
+            self._catch_up()
+            if self.core.has_unfinished() or self._due:
+                timeout = self.tick_s
+                if self._due and not self.core.has_unfinished():
+                    wall_left = (self._due[0][0] - self.virtual_now()) / self.time_scale
+                    timeout = max(wall_left, 0.0)
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+                except TimeoutError:
+                    pass
+            else:
+                await self._wake.wait()
+            self._wake.clear()

@@ -1,0 +1,145 @@
+"""Turn HTTP requests into engine inputs: prompt token ids, max_tokens and sampling params.
+
+Validation here mirrors vLLM's serving layer (messages and `param` names as vLLM gives them), so a
+request that real vLLM rejects with a 400 is rejected here with the same field named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sim.server.errors import ApiError
+from sim.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessageParam,
+    CompletionRequest,
+    SamplingFields,
+)
+from sim.server.tokenizer import ChatMessage, SimTokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # the prompt as text, when the client sent text (for `echo`)
+
+
+def completion_prompts(req: CompletionRequest, tok: SimTokenizer) -> list[Prompt]:
+    """vLLM's four prompt forms: a string, a list of strings, token ids, a list of token-id lists."""
+    p = req.prompt
+    if p is None or p == "" or p == []:
+        raise ApiError("Either prompt or prompt_embeds must be provided and non-empty.",
+                       param="prompt")
+    if isinstance(p, str):
+        return [Prompt(tok.encode(p), p)]
+    if all(isinstance(x, int) for x in p):
+        return [Prompt(list(p), None)]  # type: ignore[arg-type]
+    prompts = [Prompt(tok.encode(x), x) if isinstance(x, str) else Prompt(list(x), None)
+               for x in p]
+    if any(not pr.token_ids for pr in prompts):
+        raise ApiError("Either prompt or prompt_embeds must be provided and non-empty.",
+                       param="prompt")
+    return prompts
+
+
+def _content_text(m: ChatMessageParam) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    return "".join(str(part.get("text", "")) for part in m.content if part.get("type") == "text")
+
+
+def chat_prompt(messages: list[ChatMessageParam], add_generation_prompt: bool,
+                continue_final_message: bool, tok: SimTokenizer) -> Prompt:
+    if not messages:
+        raise ApiError("messages: must contain at least one message.", param="messages")
+    if add_generation_prompt and continue_final_message:
+        raise ApiError("Cannot set both `continue_final_message` and `add_generation_prompt` "
+                       "to True.", param="continue_final_message")
+    text = tok.apply_chat_template([ChatMessage(m.role, _content_text(m)) for m in messages],
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message)
+    return Prompt(tok.encode(text), text)
+
+
+def check_sampling(req: SamplingFields) -> None:
+    if req.n < 1:
+        raise ApiError(f"n must be at least 1, got {req.n}.", param="n")
+    if req.sim_output_len is not None and req.sim_output_len < 1:
+        raise ApiError(f"sim_output_len must be at least 1, got {req.sim_output_len}.",
+                       param="sim_output_len")
+
+
+def check_token_ids(prompt: Prompt, vocab_size: int, field: str) -> None:
+    if prompt.token_ids and max(prompt.token_ids) >= vocab_size:
+        raise ApiError(f"Token id {max(prompt.token_ids)} is out of vocabulary", param=field)
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
+                       field: str, input_field: str) -> int:
+    """vLLM's context-length check (its wording says "messages" for both endpoints);
+    `requested=None` means "the rest of the context"."""
+    if prompt_len >= max_model_len:
+        raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, "
+                       f"your request has {prompt_len} input tokens. Please reduce the length of "
+                       "the input messages.", param=input_field)
+    if requested is None:
+        return max_model_len - prompt_len
+    if requested < 1:
+        raise ApiError(f"{field} must be at least 1, got {requested}.", param=field)
+    if prompt_len + requested > max_model_len:
+        raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, "
+                       f"you requested {prompt_len + requested} tokens ({prompt_len} in the "
+                       f"messages, {requested} in the completion). Please reduce the length of "
+                       "the messages or completion.", param=field)
+    return requested
+
+
+def completion_inputs(req: CompletionRequest, tok: SimTokenizer, vocab_size: int,
+                      max_model_len: int) -> tuple[list[Prompt], list[int]]:
+    """Validated prompts of a completion request and each one's max_tokens."""
+    check_sampling(req)
+    prompts = completion_prompts(req, tok)
+    limits = []
+    for pr in prompts:
+        check_token_ids(pr, vocab_size, "prompt")
+        limits.append(resolve_max_tokens(req.max_tokens, len(pr.token_ids), max_model_len,
+                                         "max_tokens", "prompt"))
+    return prompts, limits
+
+
+def chat_inputs(req: ChatCompletionRequest, tok: SimTokenizer,
+                max_model_len: int) -> tuple[Prompt, int]:
+    """The validated rendered prompt of a chat request and its max_tokens."""
+    check_sampling(req)
+    prompt = chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
+                         tok)
+    requested, field = chat_max_tokens(req)
+    return prompt, resolve_max_tokens(requested, len(prompt.token_ids), max_model_len, field,
+                                      "messages")
+
+
+def chat_max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
+    if req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+def sampling_params(req: SamplingFields, max_tokens: int) -> dict[str, Any]:
+    """The subset of vLLM's SamplingParams the render endpoints echo back."""
+    return {
+        "n": req.n,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_k": 0 if req.top_k is None else req.top_k,
+        "seed": req.seed,
+        "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        "ignore_eos": req.ignore_eos,
+        "max_tokens": max_tokens,
+        "min_tokens": req.min_tokens,
+        "skip_special_tokens": req.skip_special_tokens,
+        "extra_args": ({"sim_output_len": req.sim_output_len}
+                       if req.sim_output_len is not None else None),
+    }

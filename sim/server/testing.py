@@ -1,0 +1,67 @@
+"""Run the real sim-engine server in-process on a free loopback port (tests, workers, the demo).
+
+    with running_engine(profile="h100-8b", time_scale=50) as engine:
+        httpx.get(engine.url + "/health")
+
+The socket is bound before the server starts (port 0, so no race for the port), uvicorn serves it
+from a daemon thread with its own event loop, and the context exits by asking uvicorn to shut down
+and joining the thread.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import uvicorn
+
+from sim.server.app import EngineSettings, create_app
+
+
+@dataclass(frozen=True, slots=True)
+class RunningEngine:
+    host: str
+    port: int
+    model_name: str
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """What the `openai` client takes as `base_url`."""
+        return f"{self.url}/v1"
+
+
+@contextmanager
+def running_engine(profile: str = "h100-8b", time_scale: float = 50.0,
+                   kv_tokens: int | None = None, seed: int = 0, model_name: str | None = None,
+                   host: str = "127.0.0.1", startup_timeout_s: float = 10.0
+                   ) -> Iterator[RunningEngine]:
+    settings = EngineSettings(profile=profile, time_scale=time_scale, kv_tokens=kv_tokens,
+                              seed=seed, model_name=model_name)
+    app = create_app(settings)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                              name=f"sim-engine-{port}", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"sim engine on port {port} did not start")
+            time.sleep(0.01)
+        yield RunningEngine(host=host, port=port, model_name=app.state.sim.model_name)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

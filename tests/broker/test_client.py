@@ -1,0 +1,127 @@
+"""RolloutClient: validation, mixture, results exactly once across restarts, quota, asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from broker.client import AsyncRolloutClient, RolloutClient, quotas
+from broker.keys import Keys
+from broker.session import SessionResult, SessionState
+from broker.worker_link import WorkerLink
+from tests.broker.helpers import make_session
+
+
+@pytest.fixture
+def client(redis_url, namespace, redis_client):
+    c = RolloutClient(redis_url, namespace)
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("item, field", [
+    ({"session_id": "a", "workload": "nope", "prompt_text": "hi", "max_tokens": 4}, "workload"),
+    ({"session_id": "a", "workload": "rlvr", "prompt_text": "", "max_tokens": 4}, "prompt"),
+    ({"session_id": "a", "workload": "rlvr", "prompt_text": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"session_id": "a", "workload": "rlvr", "prompt_token_ids": list(range(600)),
+      "max_tokens": 4}, "prompt_token_ids"),
+])
+def test_bad_item_rejects_the_whole_batch_naming_item_and_field(client, redis_url, namespace,
+                                                                 item, field):
+    WorkerLink(redis_url, namespace, "b0").register(10_000, 512)
+    good = make_session(1).model_dump()
+    with pytest.raises(ValueError, match=rf"sessions\[1\]\.{field}"):
+        client.enqueue([good, item])
+    assert client.status()["pending"]["rlvr"] == 0  # nothing half-enqueued
+
+
+def test_enqueue_returns_only_new_ids(client):
+    assert client.enqueue([make_session(1), make_session(2)]) == ["s1", "s2"]
+    assert client.enqueue([make_session(2), make_session(3)]) == ["s3"]
+
+
+@pytest.mark.parametrize("mixture, field", [
+    ({"rlvr": 0.5, "nope": 0.5}, "mixture.nope"),
+    ({"rlvr": -0.1, "rlhf": 1.1}, "mixture.rlvr"),
+    ({"rlvr": 0.5, "rlhf": 0.4}, "mixture"),
+    ({}, "mixture"),
+])
+def test_set_mixture_validates(client, mixture, field):
+    with pytest.raises(ValueError, match=rf"^{field}"):
+        client.set_mixture(mixture)
+
+
+def test_quotas_sum_to_the_batch():
+    assert quotas(10, {"a": 0.5, "b": 0.25, "c": 0.25}) == {"a": 5, "b": 3, "c": 2}
+    assert sum(quotas(7, {"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}).values()) == 7
+
+
+def publish(redis_url, namespace, redis_client, n: int, workloads=("rlvr",)) -> None:
+    """Put n finished sessions on the results stream through the real scripts."""
+    from broker.heartbeat import EngineMetrics
+    from broker.keys import BROKER_GROUP
+    from broker.scripts import Scripts
+    k = Keys(namespace)
+    link = WorkerLink(redis_url, namespace, "b0", heartbeat_ttl_s=60)
+    link.register(10**9, 4096)
+    link.heartbeat(EngineMetrics(kv_usage=0, running=0, waiting=0, preemptions_total=0,
+                                 prefix_queries_total=0, prefix_hits_total=0))
+    c = RolloutClient(redis_url, namespace)
+    sessions = [make_session(i, workload=workloads[i % len(workloads)]) for i in range(n)]
+    c.enqueue(sessions)
+    redis_client.set(k.lease, "T")
+    s = Scripts(redis_client)
+    for w in set(workloads):
+        redis_client.xgroup_create(k.pending(w), BROKER_GROUP, id="0")
+        for eid, f in redis_client.xreadgroup(BROKER_GROUP, "c", {k.pending(w): ">"})[0][1]:
+            sid = f[b"sid"].decode()
+            s.admit(keys=[k.lease, k.session(sid), k.ledger("b0"), k.ledger_sessions("b0"),
+                          k.heartbeat("b0"), k.admitted("b0"), k.pending(w)],
+                    args=["T", sid, "b0", 10, eid, "1.0", "1"])
+    for x in sessions:
+        assert link.finish(SessionResult(session_id=x.session_id, workload=x.workload,
+                                         status=SessionState.done)) == "ok"
+
+
+def test_results_exactly_once_across_client_restarts(redis_url, namespace, redis_client):
+    publish(redis_url, namespace, redis_client, 30)
+    a = RolloutClient(redis_url, namespace)
+    first = a.results(10, timeout=2)
+    a._client.close()  # crash: the batch was handed back but never acked
+    b = RolloutClient(redis_url, namespace)
+    again = b.results(10, timeout=2)
+    assert [r.session_id for r in again] == [r.session_id for r in first]
+    rest = b.results(20, timeout=2)  # acks `again` first
+    b.close()  # acks `rest`
+    c = RolloutClient(redis_url, namespace)
+    assert c.results(5, timeout=0.3) == []
+    ids = [r.session_id for r in again + rest]
+    assert len(ids) == 30 and len(set(ids)) == 30
+    assert c.status()["consumed"] == {"rlvr": 30}
+    c.close()
+
+
+def test_quota_mode_follows_the_mixture(redis_url, namespace, redis_client):
+    publish(redis_url, namespace, redis_client, 40, workloads=("rlvr", "rlhf"))
+    c = RolloutClient(redis_url, namespace)
+    c.set_mixture({"rlvr": 0.75, "rlhf": 0.25})
+    batch = c.results(8, mode="quota", timeout=2)
+    assert sorted(r.workload for r in batch) == ["rlhf"] * 2 + ["rlvr"] * 6
+    c.close()
+
+
+def test_async_client_has_the_same_methods(redis_url, namespace, redis_client):
+    publish(redis_url, namespace, redis_client, 5)
+
+    async def main():
+        async with AsyncRolloutClient(redis_url, namespace) as ac:
+            assert await ac.enqueue([make_session(99)]) == ["s99"]
+            await ac.set_mixture({"rlvr": 1.0})
+            got = await ac.results(5, timeout=2)
+            assert await ac.cancel("s99") == "cancelled"
+            st = await ac.status()
+            return got, st
+    got, st = asyncio.run(main())
+    assert len({r.session_id for r in got}) == 5
+    assert st["mixture"] == {"rlvr": 1.0}

@@ -1,0 +1,263 @@
+"""Each Lua script's contract, called directly on a real Redis."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from broker.heartbeat import EngineMetrics
+from broker.keys import BROKER_GROUP, Keys
+from broker.ledger import Ledger
+from broker.queue import SessionQueue
+from broker.scripts import Scripts, as_text
+from broker.session import SessionResult, SessionState
+from broker.worker_link import WorkerLink
+from tests.broker.helpers import make_session
+
+METRICS = EngineMetrics(kv_usage=0.1, running=0, waiting=0, preemptions_total=0,
+                        prefix_queries_total=0, prefix_hits_total=0)
+TOKEN = "tok"
+
+
+class World:
+    def __init__(self, url: str, ns: str, client: redis.Redis) -> None:
+        self.url, self.ns, self.r = url, ns, client
+        self.k = Keys(ns)
+        self.s = Scripts(client)
+        self.q = SessionQueue(client, self.k, self.s)
+        self.ledger = Ledger(client, self.k)
+        client.set(self.k.lease, TOKEN)
+        self.q.ensure_broker_groups(["rlvr", "rlhf"])
+
+    def backend(self, b: str, capacity: int = 100) -> WorkerLink:
+        link = WorkerLink(self.url, self.ns, b)
+        link.register(capacity, 4096)
+        link.heartbeat(METRICS)
+        return link
+
+    def read_pending(self, workload: str = "rlvr") -> dict[str, str]:
+        reply = self.r.xreadgroup(BROKER_GROUP, "b1", {self.k.pending(workload): ">"}, count=1000)
+        return {e[1][b"sid"].decode(): e[0].decode() for e in (reply[0][1] if reply else [])}
+
+    def admit(self, sid: str, b: str, charge: int, entry: str, token: str = TOKEN,
+              workload: str = "rlvr", enforce: str = "1") -> str:
+        k = self.k
+        return as_text(self.s.admit(
+            keys=[k.lease, k.session(sid), k.ledger(b), k.ledger_sessions(b), k.heartbeat(b),
+                  k.admitted(b), k.pending(workload)],
+            args=[token, sid, b, charge, entry, "1.0", enforce]))
+
+    def reserved(self, b: str) -> int:
+        return self.ledger.read(b).reserved_tokens
+
+    def state(self, sid: str) -> str:
+        return self.q.state(sid)
+
+
+@pytest.fixture
+def world(redis_url, namespace, redis_client):
+    return World(redis_url, namespace, redis_client)
+
+
+def result(sid: str, workload: str = "rlvr") -> SessionResult:
+    return SessionResult(session_id=sid, workload=workload, status=SessionState.done)
+
+
+def test_enqueue_is_idempotent_by_session_id(world):
+    first = world.q.enqueue([make_session(1), make_session(2)])
+    again = world.q.enqueue([make_session(2), make_session(3), make_session(3)])
+    assert first == ["s1", "s2"]
+    assert again == ["s3"]
+    assert world.r.xlen(world.k.pending("rlvr")) == 3
+    assert world.state("s2") == "pending"
+
+
+def test_admit_reserves_moves_and_acks_all_together(world):
+    link = world.backend("b0", capacity=100)
+    world.q.enqueue([make_session(1)])
+    entry = world.read_pending()["s1"]
+    assert world.admit("s1", "b0", 40, entry) == "ok"
+    led = world.ledger.read("b0")
+    assert (led.reserved_tokens, led.reserved_by_workload, led.sessions) == (40, {"rlvr": 40}, {"s1": 40})
+    assert world.state("s1") == "admitted"
+    assert world.r.xlen(world.k.pending("rlvr")) == 0  # acked and deleted
+    assert world.r.xpending(world.k.pending("rlvr"), BROKER_GROUP)["pending"] == 0
+    [adm] = link.read_admitted(block_ms=None)
+    assert (adm.session.session_id, adm.reserved_tokens) == ("s1", 40)
+
+
+def test_admit_refusals_change_nothing(world):
+    world.backend("b0", capacity=100)
+    world.q.enqueue([make_session(i) for i in range(3)])
+    entries = world.read_pending()
+    assert world.admit("s0", "b0", 90, entries["s0"]) == "ok"
+    # over alpha*C: 90 + 20 > 100
+    assert world.admit("s1", "b0", 20, entries["s1"]) == "no_capacity"
+    # a broker without the lease changes nothing
+    assert world.admit("s1", "b0", 5, entries["s1"], token="other") == "lease"
+    # unknown backend, then a registered one without a fresh heartbeat
+    assert world.admit("s1", "nope", 5, entries["s1"]) == "no_backend"
+    WorkerLink(world.url, world.ns, "b1").register(100, 4096)
+    assert world.admit("s1", "b1", 5, entries["s1"]) == "unhealthy"
+    assert world.admit("s1", "b0", -1, entries["s1"]) == "bad_charge"
+    assert world.reserved("b0") == 90 and world.state("s1") == "pending"
+    assert world.r.xlen(world.k.pending("rlvr")) == 2
+    # already admitted: refused and the stale entry is acked
+    assert world.admit("s0", "b0", 1, entries["s0"]) == "not_pending"
+    assert world.reserved("b0") == 90
+
+
+def test_admit_respects_alpha(world):
+    world.backend("b0", capacity=100)
+    world.ledger.set_alpha("b0", 1.5)
+    world.q.enqueue([make_session(i) for i in range(2)])
+    e = world.read_pending()
+    assert world.admit("s0", "b0", 150, e["s0"]) == "ok"
+    assert world.admit("s1", "b0", 1, e["s1"]) == "no_capacity"
+
+
+def test_router_dispatch_is_charged_but_not_limited(world):
+    world.backend("b0", capacity=100)
+    world.q.enqueue([make_session(i) for i in range(2)])
+    e = world.read_pending()
+    assert world.admit("s0", "b0", 90, e["s0"], enforce="0") == "ok"
+    assert world.admit("s1", "b0", 90, e["s1"], enforce="0") == "ok"
+    assert world.reserved("b0") == 180
+
+
+def test_finish_publishes_once_and_releases(world):
+    link = world.backend("b0")
+    world.q.enqueue([make_session(1)])
+    assert world.admit("s1", "b0", 30, world.read_pending()["s1"]) == "ok"
+    link.read_admitted(block_ms=None)
+    assert link.mark_running("s1")
+    assert link.finish(result("s1")) == "ok"
+    assert link.finish(result("s1")) == "duplicate"
+    assert world.r.xlen(world.k.results) == 1
+    assert world.reserved("b0") == 0 and world.ledger.read("b0").reserved_by_workload == {"rlvr": 0}
+    assert world.state("s1") == "done"
+    assert world.r.xlen(world.k.admitted("b0")) == 0
+    assert world.ledger.kv_seconds()["rlvr"][1] == 1
+
+
+def test_finish_from_another_backend_is_stale(world):
+    world.backend("b0")
+    other = world.backend("b1")
+    world.q.enqueue([make_session(1)])
+    world.admit("s1", "b0", 30, world.read_pending()["s1"])
+    assert other.finish(result("s1")) == "stale"
+    assert not other.mark_running("s1")
+    assert world.r.xlen(world.k.results) == 0 and world.reserved("b0") == 30
+
+
+def test_cancel_pending_and_admitted(world):
+    world.backend("b0")
+    from broker.client import RolloutClient
+    client = RolloutClient(world.url, world.ns)
+    world.q.enqueue([make_session(1), make_session(2)])
+    e = world.read_pending()
+    world.admit("s2", "b0", 30, e["s2"])
+    assert client.cancel("s1") == "cancelled"
+    assert client.cancel("s2") == "cancelled"
+    assert client.cancel("s2") == "cancelled"  # already: reports the terminal state
+    assert client.cancel("zzz") == "unknown"
+    assert world.reserved("b0") == 0
+    assert world.admit("s1", "b0", 1, e["s1"]) == "not_pending"
+    assert world.r.xlen(world.k.results) == 0
+    client.close()
+
+
+def test_reclaim_requeues_at_front_and_releases(world, redis_client):
+    link = world.backend("b0")
+    world.q.enqueue([make_session(1), make_session(2), make_session(3)])
+    e = world.read_pending()
+    world.admit("s1", "b0", 10, e["s1"])
+    world.admit("s2", "b0", 20, e["s2"])
+    link.mark_running("s2")
+    k = world.k
+    base = [k.lease, k.heartbeat("b0"), k.ledger("b0"), k.ledger_sessions("b0"), k.admitted("b0"), k.events]
+    pairs = [k.session("s1"), k.requeue("rlvr"), k.session("s2"), k.requeue("rlvr")]
+    args = [TOKEN, "b0", "2.0", "s1", "s2"]
+    assert as_text(world.s.reclaim(keys=base + pairs, args=args)) == "alive"
+    redis_client.delete(k.heartbeat("b0"))  # the TTL ran out
+    assert as_text(world.s.reclaim(keys=base + pairs, args=["x"] + args[1:])) == "lease"
+    assert world.s.reclaim(keys=base + pairs, args=args) == 2
+    assert world.reserved("b0") == 0 and world.ledger.read("b0").sessions == {}
+    assert world.state("s1") == world.state("s2") == "pending"
+    requeued = redis_client.xrange(k.requeue("rlvr"))
+    assert [f[b"sid"] for _, f in requeued] == [b"s1", b"s2"]
+    assert requeued[0][1][b"enqueued_at"] == redis_client.hget(k.session("s1"), "enqueued_at")
+    assert not redis_client.exists(k.admitted("b0"))
+    assert link.finish(result("s2")) == "stale"  # the zombie worker cannot publish
+
+
+def test_recharge_keeps_the_limit(world):
+    world.backend("b0", capacity=100)
+    world.q.enqueue([make_session(1), make_session(2)])
+    e = world.read_pending()
+    world.admit("s1", "b0", 40, e["s1"])
+    world.admit("s2", "b0", 40, e["s2"])
+    k = world.k
+
+    def recharge(sid, new):
+        return as_text(world.s.recharge(keys=[k.lease, k.session(sid), k.ledger("b0"),
+                                              k.ledger_sessions("b0")], args=[TOKEN, sid, "b0", new]))
+    assert recharge("s1", 61) == "no_capacity"
+    assert recharge("s1", 60) == "ok"
+    assert recharge("s2", 10) == "ok"
+    assert world.reserved("b0") == 70
+    assert world.ledger.read("b0").reserved_by_workload == {"rlvr": 70}
+
+
+def test_lease_is_compare_and_set(world, redis_client):
+    from broker.lease import Lease
+    a = Lease(redis_client, Keys(world.ns + "x"), world.s, period_s=5)
+    b = Lease(redis_client, Keys(world.ns + "x"), world.s, period_s=5)
+    try:
+        assert a.try_acquire() and not b.try_acquire()
+        assert not b.renew() and a.renew()
+        b.held = True
+        b.release()  # not the holder: must not delete a's lease
+        assert redis_client.get(Keys(world.ns + "x").lease) == a.token.encode()
+        a.release()
+        assert b.try_acquire()
+    finally:
+        redis_client.delete(Keys(world.ns + "x").lease)
+
+
+def test_heartbeat_needs_registration_and_expires(world, redis_client):
+    link = WorkerLink(world.url, world.ns, "b9", heartbeat_ttl_s=0.5)
+    with pytest.raises(RuntimeError, match="not registered"):
+        link.heartbeat(METRICS)
+    link.register(100, 4096)
+    link.heartbeat(METRICS)
+    ttl = redis_client.pttl(world.k.heartbeat("b9"))
+    assert 0 < ttl <= 500
+
+
+def test_restarted_worker_gets_its_unfinished_backlog_first(world):
+    link = world.backend("b0")
+    world.q.enqueue([make_session(i) for i in range(3)])
+    e = world.read_pending()
+    for i in range(3):
+        world.admit(f"s{i}", "b0", 5, e[f"s{i}"])
+    assert len(link.read_admitted(count=10, block_ms=None)) == 3
+    assert link.finish(result("s0")) == "ok"
+    link.close()  # crash with s1, s2 read but unfinished
+    again = WorkerLink(world.url, world.ns, "b0")
+    backlog = again.read_admitted(count=1, block_ms=None) + again.read_admitted(count=1, block_ms=None)
+    assert [a.session.session_id for a in backlog] == ["s1", "s2"]
+    assert again.read_admitted(count=10, block_ms=50) == []
+
+
+def test_cancel_while_running_means_the_worker_cannot_publish(world):
+    from broker.client import RolloutClient
+    link = world.backend("b0")
+    world.q.enqueue([make_session(1)])
+    world.admit("s1", "b0", 5, world.read_pending()["s1"])
+    assert link.mark_running("s1")
+    client = RolloutClient(world.url, world.ns)
+    assert client.cancel("s1") == "cancelled"
+    assert link.finish(result("s1")) == "duplicate"
+    assert world.r.xlen(world.k.results) == 0 and world.reserved("b0") == 0
+    client.close()

@@ -1,0 +1,112 @@
+"""The broker loop end to end: real Redis, broker threads, simulated backends, the client."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker.backend_sim import SimulatedBackend
+from broker.client import RolloutClient
+from broker.ledger import Ledger
+from broker.keys import Keys
+from tests.broker.helpers import BrokerThread, make_session, wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def collect(client: RolloutClient, n: int, timeout: float = 30.0) -> list:
+    got = []
+    wait_until(lambda: got.extend(client.results(n - len(got), timeout=0.5)) or len(got) >= n,
+               timeout=timeout, every=0)
+    client.ack()
+    return got
+
+
+@pytest.fixture
+def fleet(redis_url, namespace, redis_client):
+    started: list = []
+
+    def start(backend_id: str, capacity: int = 2000, **kw) -> SimulatedBackend:
+        b = SimulatedBackend(redis_url, namespace, backend_id, capacity, **kw).start()
+        started.append(b)
+        return b
+    yield start
+    for b in started:
+        b.stop()
+
+
+def test_sessions_flow_to_results_exactly_once(redis_url, namespace, fleet, redis_client):
+    fleet("b0")
+    fleet("b1")
+    broker = BrokerThread(redis_url, namespace).start()
+    client = RolloutClient(redis_url, namespace)
+    try:
+        sessions = [make_session(i, workload=("rlvr", "rlhf")[i % 2]) for i in range(300)]
+        assert len(client.enqueue(sessions)) == 300
+        got = collect(client, 300)
+        assert sorted(r.session_id for r in got) == sorted(s.session_id for s in sessions)
+        assert {r.backend_id for r in got} == {"b0", "b1"}
+        assert client.results(10, timeout=0.3) == []  # nothing twice
+        st = client.status()
+        assert st["consumed"] == {"rlvr": 150, "rlhf": 150}
+        assert all(b["reserved_tokens"] == 0 and b["sessions"] == 0 for b in st["backends"].values())
+        assert st["pending"] == {"rlvr": 0, "rlhf": 0, "agentic": 0}
+    finally:
+        broker.stop()
+        client.close()
+
+
+def test_malformed_entry_is_dead_lettered_and_the_broker_goes_on(redis_url, namespace, fleet,
+                                                                  redis_client):
+    fleet("b0")
+    k = Keys(namespace)
+    client = RolloutClient(redis_url, namespace)
+    redis_client.xadd(k.pending("rlvr"), {"sid": "bad1", "session": "{not json"})
+    redis_client.xadd(k.pending("rlvr"), {"hello": "world"})
+    broker = BrokerThread(redis_url, namespace).start()
+    try:
+        client.enqueue([make_session(1)])
+        got = collect(client, 1)
+        assert [r.session_id for r in got] == ["s1"]
+        dead = redis_client.xrange(k.dead_letter)
+        reasons = sorted(f[b"reason"].decode() for _, f in dead)
+        assert len(dead) == 2
+        assert any("does not validate" in r for r in reasons)
+        assert any("no 'sid'" in r for r in reasons)
+        assert redis_client.xlen(k.pending("rlvr")) == 0
+    finally:
+        broker.stop()
+        client.close()
+
+
+def test_backend_that_stops_heartbeating_gets_its_sessions_requeued(redis_url, namespace, fleet,
+                                                                     redis_client):
+    dying = fleet("b0", hold=True, heartbeat_ttl_s=0.6, heartbeat_s=0.1)
+    broker = BrokerThread(redis_url, namespace).start()
+    client = RolloutClient(redis_url, namespace)
+    ledger = Ledger(redis_client, Keys(namespace))
+    try:
+        client.enqueue([make_session(i) for i in range(20)])
+        assert wait_until(lambda: len(ledger.read("b0").sessions) == 20)
+        fleet("b1")
+        dying.stop_heartbeats()
+        got = collect(client, 20)
+        assert sorted(r.session_id for r in got) == sorted(f"s{i}" for i in range(20))
+        assert {r.backend_id for r in got} == {"b1"}
+        assert ledger.read("b0").reserved_tokens == 0
+        assert redis_client.xlen(Keys(namespace).results) == 20
+    finally:
+        broker.stop()
+        client.close()
+
+
+def test_new_completions_reach_the_policy(redis_url, namespace, fleet):
+    fleet("b0")
+    broker = BrokerThread(redis_url, namespace).start()
+    client = RolloutClient(redis_url, namespace)
+    try:
+        client.enqueue([make_session(i) for i in range(10)])
+        collect(client, 10)
+        assert wait_until(lambda: broker.service.policy.seen_completions == 10, timeout=10)
+    finally:
+        broker.stop()
+        client.close()
