@@ -40,7 +40,7 @@ def sim_engine(
 def broker(
     redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
     namespace: Annotated[str, typer.Option(help="key namespace (one RL job)")] = "default",
-    policy: Annotated[str, typer.Option(help="policy name, or package.module:factory")] = "least_loaded",
+    policy: Annotated[str, typer.Option(help="policy name, or package.module:factory")] = "misa_t",
     lease_s: Annotated[float, typer.Option(help="lease period; a standby takes over within 4/3 of it")] = 5.0,
     window: Annotated[int, typer.Option(help="pending sessions per workload shown to the policy")] = 1024,
     log_level: Annotated[str, typer.Option(help="logging level")] = "INFO",

@@ -69,6 +69,7 @@ class _Live:
     reserved: int = 0  # ledger charge
     turn: int = 0  # the turn now running or next to run
     outputs: list[list[int]] = field(default_factory=list)  # per finished turn
+    generated: int = 0  # output tokens of the finished turns
     history: list[int] = field(default_factory=list)  # the next turn's prompt
     history_hashes: list[int] = field(default_factory=list)  # its leading full blocks' chain hashes
     cached_tokens: int = 0
@@ -282,6 +283,7 @@ class FleetSim:
         live = self.by_request.pop(req.request_id)
         live.request = None
         live.outputs.append(req.output_token_ids)
+        live.generated += req.num_output_tokens
         live.cached_tokens += max(0, req.num_cached_tokens)
         live.truncated |= req.finish_reason is FinishReason.length
         if live.first_token_at is None:
@@ -342,7 +344,7 @@ class FleetSim:
         s = live.sim.session
         req = live.request
         out_now = req.num_output_tokens if req is not None else 0
-        done_out = sum(map(len, live.outputs))
+        done_out = live.generated
         self.resident[live.backend][s.session_id] = ResidentSession(
             session_id=s.session_id, workload=s.workload, group_id=s.group_id,
             reserved_tokens=live.reserved, prompt_tokens=len(s.prompt_token_ids),
@@ -366,8 +368,13 @@ class FleetSim:
                 prefix_queries_total=st.prefix_queries_total, prefix_hits_total=st.prefix_hits_total,
             )
             self.kv_samples.append(KvSample(at=self.now, engine_id=b, usage=st.kv_usage))
-            for sid in list(self.resident[b]):
-                self._update_resident(self.live[sid])
+            live = self.live
+            for sid, rs in list(self.resident[b].items()):
+                session = live[sid]
+                req = session.request
+                # Parked sessions and requests still queued report what they reported before.
+                if req is not None and req.num_output_tokens + session.generated != rs.generated_tokens:
+                    self._update_resident(session)
         self._dirty = True
 
     # -- results ---------------------------------------------------------------------------
