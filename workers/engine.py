@@ -102,7 +102,7 @@ class ChildEngine:
             raise
         return self
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = 5.0) -> None:
         p = self.process
         if p is None or p.poll() is not None:
             return

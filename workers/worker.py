@@ -1,6 +1,6 @@
 """The GPU worker's loop: pull admitted sessions, run them concurrently, heartbeat, finish.
 
-Three asyncio tasks around one `WorkerLink` and one shared `httpx.AsyncClient`:
+Asyncio tasks around one `WorkerLink` and one shared `httpx.AsyncClient`, and one thread:
 - pull: `read_admitted` (our backlog first, then new entries), `mark_running_many`, and one task
   per session running `SessionRunner.run`;
 - heartbeat: about once a second, scrape the engine's /metrics and send it with every running
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import httpx
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
 from broker.worker_link import AdmittedSession, BackendReclaimed, CompletionStats, WorkerLink
 from broker.session import SessionResult
-from workers.engine import EngineInfo, parse_metrics, read_engine_info
+from workers.engine import EngineInfo, EngineScrape, parse_metrics, read_engine_info
 from workers.runner import Progress, RunnerSettings, SessionRunner
 from workers.tools import ToolExecutor
 
@@ -45,6 +46,7 @@ class WorkerSettings:
     read_count: int = 256  # admitted entries per read
     read_block_ms: int = 250  # also bounds how long a drain waits for the pull loop to notice
     drain_grace_s: float = 30.0
+    engine_down_after_s: float = 10.0  # no /metrics answer for this long: the engine is down
     max_connections: int = 1024  # HTTP connections to the engine (one per running turn)
     runner: RunnerSettings = field(default_factory=RunnerSettings)
 
@@ -70,6 +72,9 @@ class Worker:
         self.info: EngineInfo | None = None
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="redis")
         self._running: dict[str, tuple[asyncio.Task, Progress]] = {}
+        self._scrape_ok: EngineScrape | None = None  # the latest successful /metrics read
+        self._scraped_at = 0.0  # monotonic time of that read
+        self._scrape_error = ""
         self._finished: asyncio.Queue[tuple[SessionResult, CompletionStats]] = asyncio.Queue()
 
     async def _redis(self, fn, *args):
@@ -88,14 +93,21 @@ class Worker:
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
             runner = SessionRunner(http, self.engine_url, self.info.model,
                                    self.info.max_model_len, self.tools, s.runner)
-            beat = asyncio.create_task(self._heartbeat_loop(http, stop), name="heartbeat")
+            await self._scrape_once(http)
+            scraper = asyncio.create_task(self._scrape_loop(http), name="scrape")
+            beats_done = threading.Event()
+            beats = threading.Thread(target=self._beat_thread, args=(beats_done,),
+                                     name=f"heartbeat-{s.backend_id}", daemon=True)
+            beats.start()
             finisher = asyncio.create_task(self._finish_loop(), name="finish")
             try:
                 await self._pull_loop(runner, stop)
                 await self._drain()
             finally:
-                beat.cancel()
-                await asyncio.gather(beat, return_exceptions=True)
+                beats_done.set()
+                await asyncio.to_thread(beats.join)
+                scraper.cancel()
+                await asyncio.gather(scraper, return_exceptions=True)
                 await self._finished.join()
                 finisher.cancel()
                 await asyncio.gather(finisher, return_exceptions=True)
@@ -135,8 +147,11 @@ class Worker:
                 # Our heartbeat lapsed and the broker requeued our sessions: anything we still
                 # run would be refused at finish, so stop it and start over.
                 log.warning("worker %s: reclaimed by the broker; registering again", s.backend_id)
-                for task, _ in list(self._running.values()):
+                tasks = [t for t, _ in self._running.values()]
+                for task in tasks:
                     task.cancel()
+                # Wait until they are gone, or a re-admitted session would look "running".
+                await asyncio.gather(*tasks, return_exceptions=True)
                 await self._register()
                 continue
             if stop.is_set():
@@ -189,32 +204,50 @@ class Worker:
                     self._finished.task_done()
 
     # -- heartbeats -----------------------------------------------------------------------------
-    async def _heartbeat_loop(self, http: httpx.AsyncClient, stop: asyncio.Event) -> None:
+    def _beat_thread(self, done: threading.Event) -> None:
+        """Beat every `heartbeat_s` with the latest /metrics scrape, from a thread of its own:
+        a busy event loop (hundreds of sessions starting at once) delays the numbers, never the
+        beat. Only an engine whose /metrics has not answered for `engine_down_after_s` stops
+        the beats, and with them admissions here."""
         s = self.settings
         while True:
-            started = time.monotonic()
-            await self._beat_once(http)
-            await asyncio.sleep(max(0.0, s.heartbeat_s - (time.monotonic() - started)))
+            self._beat_once()
+            if done.wait(s.heartbeat_s):
+                return
 
-    async def _beat_once(self, http: httpx.AsyncClient) -> None:
+    def _beat_once(self) -> None:
         s = self.settings
-        try:
-            r = await http.get(f"{self.engine_url}/metrics", timeout=max(1.0, s.heartbeat_s))
-            r.raise_for_status()
-            scrape = parse_metrics(r.text)
-        except (httpx.HTTPError, ValueError) as exc:
-            if self.engine_healthy:
-                log.error("worker %s: engine /metrics failed (%s); heartbeats stop until it "
-                          "answers", s.backend_id, exc)
-            self.engine_healthy = False
+        age = time.monotonic() - self._scraped_at
+        healthy = self._scrape_ok is not None and age <= s.engine_down_after_s
+        if healthy != self.engine_healthy:
+            if healthy:
+                log.warning("worker %s: engine answers again", s.backend_id)
+            else:
+                log.error("worker %s: engine /metrics has not answered for %.1fs (%s); "
+                          "heartbeats stop until it does", s.backend_id, age, self._scrape_error)
+        self.engine_healthy = healthy
+        if not healthy:
             return
-        if not self.engine_healthy:
-            log.warning("worker %s: engine answers again", s.backend_id)
-        self.engine_healthy = True
         progress = [p.snapshot() for _, p in list(self._running.values())]
         try:
-            await self._redis(self.link.heartbeat, scrape.metrics, progress)
-        except RuntimeError:  # not registered (e.g. the namespace was reset): register again
-            await self._register()
+            self.link.heartbeat(self._scrape_ok.metrics, progress)
+        except RuntimeError:  # not registered: the pull loop's next reclaim registers
+            log.warning("worker %s: heartbeat refused: not registered", s.backend_id)
         except Exception:
             log.exception("worker %s: heartbeat failed", s.backend_id)
+
+    async def _scrape_once(self, http: httpx.AsyncClient) -> None:
+        try:
+            r = await http.get(f"{self.engine_url}/metrics",
+                               timeout=self.settings.engine_down_after_s)
+            r.raise_for_status()
+            self._scrape_ok = parse_metrics(r.text)
+            self._scraped_at = time.monotonic()
+        except (httpx.HTTPError, ValueError) as exc:
+            self._scrape_error = f"{type(exc).__name__}: {exc}"
+
+    async def _scrape_loop(self, http: httpx.AsyncClient) -> None:
+        while True:
+            started = time.monotonic()
+            await self._scrape_once(http)
+            await asyncio.sleep(max(0.0, self.settings.heartbeat_s - (time.monotonic() - started)))
