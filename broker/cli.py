@@ -110,5 +110,28 @@ def tools_worker(
     run_tool_worker(redis_url, burst=burst)
 
 
+@app.command("demo")
+def demo(
+    engines: Annotated[int, typer.Option(help="simulated engines (one worker each)")] = 4,
+    duration: Annotated[float, typer.Option(help="seconds the trainer runs")] = 60.0,
+    policy: Annotated[str, typer.Option(help="admission policy")] = "least_loaded",
+    scenario: Annotated[Optional[str], typer.Option(help="scenario file (default scenarios/demo.yaml)")] = None,
+    time_scale: Annotated[float, typer.Option(help="simulated seconds per wall second")] = 20.0,
+    kv_tokens: Annotated[Optional[int], typer.Option(help="KV tokens per engine (default: the scenario's)")] = None,
+    tools: Annotated[str, typer.Option(help="tool calls and rewards: inline | rq (RQ tool workers)")] = "inline",
+    redis_url: Annotated[Optional[str], typer.Option(help="Redis URL (default $REDIS_URL; a private server if none answers)")] = None,
+) -> None:
+    """Run the whole system on this machine (Redis, engines, workers, broker, a trainer) and show it live."""
+    from pathlib import Path
+
+    from broker.demo import DEFAULT_SCENARIO, DemoSettings, run_demo
+
+    settings = DemoSettings(engines=engines, duration_s=duration, policy=policy,
+                            scenario=Path(scenario) if scenario else DEFAULT_SCENARIO,
+                            time_scale=time_scale, kv_tokens=kv_tokens, tools=tools,
+                            redis_url=redis_url)
+    raise typer.Exit(run_demo(settings))
+
+
 if __name__ == "__main__":
     app()
