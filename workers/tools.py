@@ -8,7 +8,7 @@ in its metadata: `tool` (default `sim`) and `reward` (default `parity`); a name 
 workers have installed).
 
 Executors:
-- `InlineExecutor` runs the function in a thread of the worker (tests, the demo). A timeout
+- `InlineExecutor` runs the function on a thread of the worker (tests, the demo). A timeout
   abandons the call (a Python thread cannot be killed), so the session fails on time.
 - `RqExecutor` enqueues on RQ queues `tools` and `rewards` with RQ's job timeout (the work horse
   is killed), `Retry(max=retries)`, and its failed-job registry keeping what failed for
@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import importlib
 import math
+import threading
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
@@ -169,15 +169,34 @@ def _describe(exc: BaseException) -> str:
 
 
 class InlineExecutor:
-    def __init__(self, timeout_s: float = 60.0, max_threads: int = 256) -> None:
+    """Each call on a daemon thread of its own: a tool that sleeps (the simulated one) costs no
+    CPU, and a call abandoned on timeout or drain never holds up the worker's exit."""
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="tool")
 
     async def _run(self, what: str, fn: Callable[[dict], Any], payload: dict) -> Any:
         loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def settle(ok: bool, value: Any) -> None:
+            if not fut.done():
+                fut.set_result(value) if ok else fut.set_exception(value)
+
+        def target() -> None:
+            try:
+                value, ok = fn(payload), True
+            except BaseException as exc:  # handed to the caller, who decides
+                value, ok = exc, False
+            try:
+                loop.call_soon_threadsafe(settle, ok, value)
+            except RuntimeError:  # the loop is gone: nobody waits for this call any more
+                pass
+
+        threading.Thread(target=target, name=f"tool-{payload.get('session_id')}",
+                         daemon=True).start()
         try:
-            return await asyncio.wait_for(loop.run_in_executor(self._pool, fn, payload),
-                                          self.timeout_s)
+            return await asyncio.wait_for(fut, self.timeout_s)
         except TimeoutError:
             raise ToolError(f"{what}: timed out after {self.timeout_s:g}s") from None
         except ToolError:
@@ -193,7 +212,7 @@ class InlineExecutor:
         return float(await self._run(f"reward {call.scorer}", run_reward, call.model_dump()))
 
     async def aclose(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: abandoned calls end on their own daemon threads."""
 
 
 class RqExecutor:

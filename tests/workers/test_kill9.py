@@ -22,13 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 N = 500
 
 
-def start_worker(redis_url: str, namespace: str, backend_id: str) -> subprocess.Popen:
+def start_worker(redis_url: str, namespace: str, backend_id: str, tool_time_scale: str = "50"
+                 ) -> subprocess.Popen:
     """A worker process that starts its own simulated engine (a child in its process group)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen(
         [sys.executable, "-m", "broker.cli", "worker", "--backend-id", backend_id,
          "--engine", "sim:h100-8b", "--kv-tokens", "40000", "--redis-url", redis_url, "--namespace", namespace,
-         "--time-scale", "50", "--heartbeat-s", "0.25", "--heartbeat-ttl", "2.0",
+         "--time-scale", tool_time_scale, "--heartbeat-s", "0.25", "--heartbeat-ttl", "2.0",
          "--drain-grace", "5", "--log-level", "WARNING"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         start_new_session=True)
