@@ -91,20 +91,20 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[Block]:
         if n > len(self.free):
             raise RuntimeError(f"get_new_blocks({n}) with only {len(self.free)} free")  # a caller bug
-        out = []
         popitem = self.free.popitem
+        out = [popitem(last=False)[1] for _ in range(n)]
         cached = self.cached
-        for _ in range(n):
-            _, b = popitem(last=False)
-            if b.block_hash is not None:
-                if cached.get(b.block_hash) is b:
-                    del cached[b.block_hash]
+        watched = self.watched
+        for b in out:
+            h = b.block_hash
+            if h is not None:
+                if cached.get(h) is b:
+                    del cached[h]
                     self.evictions += 1
-                if b.block_hash in self.watched:
+                if watched and h in watched:
                     self.watch_dirty = True
                 b.block_hash = None
             b.ref_cnt = 1
-            out.append(b)
         return out
 
     def free_blocks(self, ordered: list[Block]) -> None:

@@ -36,14 +36,12 @@ class KVCacheManager:
             return self._memo_hits
         max_blocks = (req.num_tokens - 1) // self.block_size
         self.extend_block_hashes(req, max_blocks * self.block_size)
-        hits: list[Block] = []
-        lookup = pool.cached.get
         chain = req.block_hashes[:max_blocks]
-        for h in chain:
-            b = lookup(h)
-            if b is None:
-                break
-            hits.append(b)
+        hits: list[Block] = list(map(pool.cached.get, chain))  # one C-level pass over the chain
+        try:
+            del hits[hits.index(None):]  # the hit is the run of cached blocks from the start
+        except ValueError:
+            pass
         # Memo for the (usually blocked) head of the waiting queue, which the scheduler probes
         # at every step: valid until a block of its chain changes cached or free state.
         self._memo_req, self._memo_hits = req, hits
