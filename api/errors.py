@@ -73,5 +73,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(_body(None, str(exc.detail)), status_code=exc.status_code,
+        # FastAPI's only 400 is a body that is not JSON at all.
+        field = "body" if exc.status_code == 400 else None
+        return JSONResponse(_body(field, str(exc.detail)), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))

@@ -18,7 +18,8 @@ async def get_mixture(redis: RedisDep, keys: KeysDep) -> MixturePublic:
 
 
 @router.put("", response_model=MixturePublic, dependencies=[AuthDep],
-            responses={401: {"model": ErrorPublic}, 422: {"model": ErrorPublic}})
+            responses={400: {"model": ErrorPublic}, 401: {"model": ErrorPublic},
+                       422: {"model": ErrorPublic}})
 def put_mixture(body: MixtureIn, client: ClientDep) -> MixturePublic:
     """Set the target share of consumed sessions per known workload; shares sum to 1."""
     try:

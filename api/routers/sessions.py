@@ -17,7 +17,7 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
 SessionId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$",
                                 description="the id the trainer gave the session")]
-_ERRORS = {422: {"model": ErrorPublic}, 401: {"model": ErrorPublic}}
+_ERRORS = {400: {"model": ErrorPublic}, 401: {"model": ErrorPublic}, 422: {"model": ErrorPublic}}
 
 
 @router.post("", response_model=EnqueuePublic, responses=_ERRORS, dependencies=[AuthDep])
