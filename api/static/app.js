@@ -3,7 +3,8 @@
 // this API. Each chart's <svg> carries data-points / data-series so a test can read them back.
 "use strict";
 
-const WINDOW_S = 300;   // seconds of history kept and drawn
+const WINDOW_S = 300;   // seconds of history kept; the x axis grows to it from the first sample
+const MIN_SPAN_S = 5;
 const POLL_MS = 1000;
 const PALETTE = ["#58a6ff", "#3fb950", "#d29922", "#f778ba", "#a371f7", "#79c0ff",
                  "#56d364", "#e3b341", "#ff7b72", "#39c5cf"];
@@ -49,6 +50,13 @@ function fmt(v) {
   return v.toFixed(2);
 }
 
+let firstT = null;  // time of the first sample this page saw
+
+function span(now) {
+  const seen = firstT === null ? 0 : now - firstT;
+  return Math.min(WINDOW_S, Math.max(MIN_SPAN_S, seen));
+}
+
 // Draw one chart: axes, four grid lines, one polyline per series, a legend.
 function draw(id, series, now, fixedMax) {
   const svg = document.getElementById(id);
@@ -57,16 +65,18 @@ function draw(id, series, now, fixedMax) {
   let maxV = 0, points = 0;
   for (const pts of series.values()) for (const [, v] of pts) { maxV = Math.max(maxV, v); points++; }
   const yMax = fixedMax !== undefined ? fixedMax : niceMax(maxV);
-  const x = (t) => L + (W - L - R) * (1 - (now - t) / WINDOW_S);
+  const spanS = span(now);
+  const x = (t) => L + (W - L - R) * (1 - (now - t) / spanS);
   const y = (v) => T + (H - T - B) * (1 - Math.min(v, yMax) / yMax);
   for (let i = 0; i <= 4; i++) {
     const v = (yMax * i) / 4;
     svg.append(el("line", { class: "grid", x1: L, x2: W - R, y1: y(v), y2: y(v) }));
     svg.append(el("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end" }, fmt(v)));
   }
-  for (const s of [WINDOW_S, WINDOW_S / 2, 0]) {
-    svg.append(el("text", { x: x(now - s), y: H - B + 14, "text-anchor": s === WINDOW_S ? "start" : s === 0 ? "end" : "middle" },
-                  s === 0 ? "now" : `-${s}s`));
+  for (const s of [spanS, spanS / 2, 0]) {
+    const anchor = s === spanS ? "start" : s === 0 ? "end" : "middle";
+    svg.append(el("text", { x: x(now - s), y: H - B + 14, "text-anchor": anchor },
+                  s === 0 ? "now" : `-${Math.round(s)}s`));
   }
   let i = 0, legendX = L;
   for (const [name, pts] of series) {
@@ -144,8 +154,12 @@ function header(st) {
   document.getElementById("updated").textContent = "updated " + new Date(st.at * 1000).toLocaleTimeString();
 }
 
+// Samples are placed at the time the page received them (the browser's clock), so the axis
+// never depends on the server's clock agreeing with the browser's.
 function record(st) {
-  const t = st.at;
+  const t = Date.now() / 1000;
+  if (firstT === null) firstT = t;
+  firstT = Math.max(firstT, t - WINDOW_S);
   for (const w of st.workloads) push("queue", w.workload, t, w.depth);
   for (const b of st.backends) push("kv", b.backend_id, t, b.kv_usage);
   push("drift", "recent", t, st.mixture.drift_window);
