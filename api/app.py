@@ -17,6 +17,8 @@ from api import errors
 from api.history import CounterHistory
 from api.routers import dashboard, health, metrics, mixture, sessions, status
 from api.settings import ApiSettings, check_bind, get_settings
+from api.status import StatusReader
+from broker.keys import Keys
 
 
 def create_app(settings: ApiSettings | None = None) -> FastAPI:
@@ -25,6 +27,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.redis = aioredis.Redis.from_url(settings.redis_url)
+        app.state.status_reader = StatusReader(
+            app.state.redis, Keys(settings.namespace), app.state.history,
+            settings.mixture_window_s, settings.throughput_windows_s)
         try:
             yield
         finally:

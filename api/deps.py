@@ -12,8 +12,8 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.errors import ApiError
-from api.history import CounterHistory
 from api.settings import ApiSettings
+from api.status import StatusReader
 from broker.client import RolloutClient
 from broker.keys import Keys
 
@@ -39,11 +39,11 @@ def get_keys(settings: SettingsDep) -> Keys:
 KeysDep = Annotated[Keys, Depends(get_keys)]
 
 
-def get_history(request: Request) -> CounterHistory:
-    return request.app.state.history
+def get_status_reader(request: Request) -> StatusReader:
+    return request.app.state.status_reader
 
 
-HistoryDep = Annotated[CounterHistory, Depends(get_history)]
+StatusReaderDep = Annotated[StatusReader, Depends(get_status_reader)]
 
 _client_lock = threading.Lock()
 

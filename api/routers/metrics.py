@@ -11,9 +11,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from api.deps import HistoryDep, KeysDep, RedisDep, SettingsDep
+from api.deps import StatusReaderDep
 from api.models import StatusPublic
-from api.status import read_status
 
 router = APIRouter(tags=["metrics"])
 
@@ -113,10 +112,8 @@ class StatusCollector(Collector):
 @router.get("/metrics", response_class=Response,
             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
                              "description": "Prometheus text exposition"}})
-async def metrics(redis: RedisDep, keys: KeysDep, history: HistoryDep,
-                  settings: SettingsDep) -> Response:
-    status = await read_status(redis, keys, history, settings.mixture_window_s,
-                               settings.throughput_windows_s)
+async def metrics(reader: StatusReaderDep) -> Response:
+    status = await reader.read()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatusCollector(status))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
