@@ -53,8 +53,8 @@ for i = 0, nb - 1 do
   if raw then
     -- Decoding only the flat "metrics" object and "at" (a record's per-session progress can
     -- be thousands of objects); ids cannot hold quotes, so these keys cannot appear in a value.
-    local ok, m = pcall(cjson.decode, string.match(raw, '"metrics":(%b{})') or 'null')
-    local at = tonumber(string.match(raw, '"at":([-+%d.eE]+)'))
+    local ok, m = pcall(cjson.decode, string.match(raw, '"metrics"%s*:%s*(%b{})') or 'null')
+    local at = tonumber(string.match(raw, '"at"%s*:%s*([-+%d.eE]+)'))
     if ok and type(m) == 'table' and at then
       m.at = at
       metrics = m
