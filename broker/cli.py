@@ -40,7 +40,7 @@ def sim_engine(
 def broker(
     redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
     namespace: Annotated[str, typer.Option(help="key namespace (one RL job)")] = "default",
-    policy: Annotated[str, typer.Option(help="policy name, or package.module:factory")] = "least_loaded",
+    policy: Annotated[str, typer.Option(help="policy name, or package.module:factory")] = "misa_t",
     lease_s: Annotated[float, typer.Option(help="lease period; a standby takes over within 4/3 of it")] = 5.0,
     window: Annotated[int, typer.Option(help="pending sessions per workload shown to the policy")] = 1024,
     log_level: Annotated[str, typer.Option(help="logging level")] = "INFO",
@@ -59,6 +59,101 @@ def broker(
     service = BrokerService(redis_url, namespace, load_policy(policy),
                             BrokerSettings(lease_period_s=lease_s, window=window))
     service.run(stop)
+
+
+@app.command("bench")
+def bench(
+    scenario: Annotated[str, typer.Option(help="scenario YAML (see scenarios/)")],
+    policies: Annotated[str, typer.Option(help="comma-separated policy names")] = "round_robin,least_loaded,power_of_two,cache_aware",
+    seed: Annotated[Optional[int], typer.Option(help="override the scenario's seed")] = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="write every metric per policy here")] = None,
+    plots: Annotated[Optional[str], typer.Option(help="write PNG plots into this directory")] = None,
+    jobs: Annotated[int, typer.Option(help="policies simulated in parallel processes")] = 1,
+    sweep_iterations: Annotated[Optional[int], typer.Option(help="iterations per cache_aware_swept grid point")] = None,
+) -> None:
+    """Simulate policies side by side on a scenario and compare them (DESIGN §6)."""
+    from sim.bench_cli import bench as run_bench
+    from sim.bench_cli import parse_policies
+    from sim.fleet import SimulationError
+    from sim.scenario import ScenarioError
+
+    try:
+        run_bench(scenario, parse_policies(policies), seed, json_out, plots, jobs, sweep_iterations)
+    except (ScenarioError, SimulationError, ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command("worker")
+def worker(
+    backend_id: Annotated[str, typer.Option(help="this backend's id (one per engine)")],
+    engine: Annotated[str, typer.Option(help="attach:URL | 'vllm:MODEL [vLLM args]' | sim:PROFILE")],
+    redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
+    namespace: Annotated[str, typer.Option(help="key namespace (one RL job)")] = "default",
+    time_scale: Annotated[float, typer.Option(help="sim engines and simulated tools: simulated seconds per wall second")] = 1.0,
+    kv_tokens: Annotated[Optional[int], typer.Option(help="sim engines: KV capacity in tokens")] = None,
+    seed: Annotated[int, typer.Option(help="sim engines: seed")] = 0,
+    tools: Annotated[str, typer.Option(help="where tool calls and rewards run: inline | rq")] = "inline",
+    tool_timeout: Annotated[float, typer.Option(help="seconds one tool or reward call may take")] = 60.0,
+    tool_retries: Annotated[int, typer.Option(help="rq: retries of a failed tool job")] = 1,
+    engine_retries: Annotated[int, typer.Option(help="retries of a turn on engine 5xx/timeouts")] = 3,
+    request_timeout: Annotated[float, typer.Option(help="seconds one turn's HTTP call may take")] = 600.0,
+    heartbeat_s: Annotated[float, typer.Option(help="seconds between heartbeats")] = 1.0,
+    heartbeat_ttl: Annotated[float, typer.Option(help="seconds a heartbeat stays valid")] = 3.0,
+    drain_grace: Annotated[float, typer.Option(help="SIGTERM: seconds running sessions may finish")] = 30.0,
+    ready_timeout: Annotated[float, typer.Option(help="seconds to wait for the engine's /health")] = 600.0,
+    log_level: Annotated[str, typer.Option(help="logging level")] = "INFO",
+) -> None:
+    """Run admitted sessions on one engine (attached, or started as a child) until SIGTERM."""
+    import logging
+
+    from workers.main import EngineOptions, ToolOptions, run_worker
+    from workers.runner import RunnerSettings
+    from workers.worker import WorkerSettings
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = WorkerSettings(
+        backend_id=backend_id, redis_url=redis_url, namespace=namespace, heartbeat_s=heartbeat_s,
+        heartbeat_ttl_s=heartbeat_ttl, drain_grace_s=drain_grace,
+        runner=RunnerSettings(request_timeout_s=request_timeout, retries=engine_retries))
+    run_worker(settings,
+               EngineOptions(spec=engine, time_scale=time_scale, kv_tokens=kv_tokens, seed=seed,
+                             ready_timeout_s=ready_timeout),
+               ToolOptions(kind=tools, timeout_s=tool_timeout, retries=tool_retries))
+
+
+@app.command("tools")
+def tools_worker(
+    redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
+    burst: Annotated[bool, typer.Option(help="exit when the queues are empty")] = False,
+) -> None:
+    """Run a CPU tool worker: an RQ worker on the `tools` and `rewards` queues."""
+    from workers.tools import run_tool_worker
+
+    run_tool_worker(redis_url, burst=burst)
+
+
+@app.command("demo")
+def demo(
+    engines: Annotated[int, typer.Option(help="simulated engines (one worker each)")] = 4,
+    duration: Annotated[float, typer.Option(help="seconds the trainer runs")] = 60.0,
+    policy: Annotated[str, typer.Option(help="admission policy")] = "misa_t",
+    scenario: Annotated[Optional[str], typer.Option(help="scenario file (default scenarios/demo.yaml)")] = None,
+    time_scale: Annotated[float, typer.Option(help="simulated seconds per wall second")] = 20.0,
+    kv_tokens: Annotated[Optional[int], typer.Option(help="KV tokens per engine (default: the scenario's)")] = None,
+    tools: Annotated[str, typer.Option(help="tool calls and rewards: inline | rq (RQ tool workers)")] = "inline",
+    redis_url: Annotated[Optional[str], typer.Option(help="Redis URL (default $REDIS_URL; a private server if none answers)")] = None,
+) -> None:
+    """Run the whole system on this machine (Redis, engines, workers, broker, a trainer) and show it live."""
+    from pathlib import Path
+
+    from broker.demo import DEFAULT_SCENARIO, DemoSettings, run_demo
+
+    settings = DemoSettings(engines=engines, duration_s=duration, policy=policy,
+                            scenario=Path(scenario) if scenario else DEFAULT_SCENARIO,
+                            time_scale=time_scale, kv_tokens=kv_tokens, tools=tools,
+                            redis_url=redis_url)
+    raise typer.Exit(run_demo(settings))
 
 
 @app.command("api")

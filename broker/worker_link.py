@@ -88,6 +88,18 @@ class WorkerLink:
         if reply != "ok":
             raise RuntimeError(f"heartbeat: backend {self.backend_id!r} is not registered ({reply})")
 
+    def withdraw(self) -> None:
+        """Hand everything admitted here back now: drop our heartbeat (the broker's health
+        signal) and wake the broker, which reclaims this backend's sessions to the front of
+        their queues at once instead of after the TTL. A draining worker calls this after its
+        last finish; a later `finish` of a handed-back session returns 'stale'."""
+        k = self.keys
+        pipe = self._client.pipeline(transaction=True)
+        pipe.delete(k.heartbeat(self.backend_id))
+        pipe.xadd(k.events, {"kind": "withdraw", "backend": self.backend_id},
+                  maxlen=10000, approximate=True)
+        pipe.execute()
+
     def read_admitted(self, count: int = 64, block_ms: int | None = 1000) -> list[AdmittedSession]:
         """Sessions admitted here: first our unfinished backlog, then new ones (blocking)."""
         stream = self.keys.admitted(self.backend_id)

@@ -69,6 +69,7 @@ class _Live:
     reserved: int = 0  # ledger charge
     turn: int = 0  # the turn now running or next to run
     outputs: list[list[int]] = field(default_factory=list)  # per finished turn
+    generated: int = 0  # output tokens of the finished turns
     history: list[int] = field(default_factory=list)  # the next turn's prompt
     history_hashes: list[int] = field(default_factory=list)  # its leading full blocks' chain hashes
     cached_tokens: int = 0
@@ -95,7 +96,7 @@ class FleetResult:
 
 
 class FleetSim:
-    def __init__(self, scenario: Scenario, policy: Policy, source: SessionSource, *,
+    def __init__(self, scenario: Scenario, policy: Policy | None, source: SessionSource, *,
                  heartbeat_s: float = 1.0,
                  on_iteration: Callable[[IterationRecord], None] | None = None) -> None:
         self.scenario = scenario
@@ -125,14 +126,21 @@ class FleetSim:
         self.telemetry: dict[str, Telemetry] = {}
         self.completions: list[Completion] = []
         self.records: list[SessionRecord] = []
+        self.enqueued: list[tuple[SimSession, float]] = []  # every session, with when (for traces)
         self.kv_samples: list[KvSample] = []
         self._events: list[tuple[float, int, int, str]] = []
         self._seq = itertools.count()
         self._dirty = True  # something changed that the policy may act on
         self.decide_calls = 0
 
+    def true_output_lengths(self, session_id: str) -> tuple[int, ...]:
+        """The hidden truth, for the `oracle` reference policy only (the bench wires it in)."""
+        return self.live[session_id].sim.truth.output_tokens
+
     # -- driving ---------------------------------------------------------------------------
     def run(self) -> FleetResult:
+        if self.policy is None:
+            raise SimulationError("policy: set a policy before running the simulation")
         limits = self.scenario.limits
         wall0 = time.monotonic()
         self._enqueue_from_trainer()
@@ -185,6 +193,7 @@ class FleetSim:
     # -- the trainer side ------------------------------------------------------------------
     def _enqueue_from_trainer(self) -> None:
         for sim in self.trainer.enqueue(self.now):
+            self.enqueued.append((sim, self.now))
             live = _Live(sim, enqueued_at=self.now, history=list(sim.session.prompt_token_ids))
             self.live[sim.session_id] = live
             self._make_pending(live)
@@ -274,6 +283,7 @@ class FleetSim:
         live = self.by_request.pop(req.request_id)
         live.request = None
         live.outputs.append(req.output_token_ids)
+        live.generated += req.num_output_tokens
         live.cached_tokens += max(0, req.num_cached_tokens)
         live.truncated |= req.finish_reason is FinishReason.length
         if live.first_token_at is None:
@@ -334,7 +344,7 @@ class FleetSim:
         s = live.sim.session
         req = live.request
         out_now = req.num_output_tokens if req is not None else 0
-        done_out = sum(map(len, live.outputs))
+        done_out = live.generated
         self.resident[live.backend][s.session_id] = ResidentSession(
             session_id=s.session_id, workload=s.workload, group_id=s.group_id,
             reserved_tokens=live.reserved, prompt_tokens=len(s.prompt_token_ids),
@@ -358,8 +368,13 @@ class FleetSim:
                 prefix_queries_total=st.prefix_queries_total, prefix_hits_total=st.prefix_hits_total,
             )
             self.kv_samples.append(KvSample(at=self.now, engine_id=b, usage=st.kv_usage))
-            for sid in list(self.resident[b]):
-                self._update_resident(self.live[sid])
+            live = self.live
+            for sid, rs in list(self.resident[b].items()):
+                session = live[sid]
+                req = session.request
+                # Parked sessions and requests still queued report what they reported before.
+                if req is not None and req.num_output_tokens + session.generated != rs.generated_tokens:
+                    self._update_resident(session)
         self._dirty = True
 
     # -- results ---------------------------------------------------------------------------

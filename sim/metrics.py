@@ -106,7 +106,7 @@ def mixture_drift(consumed: Mapping[str, int], target: Mapping[str, float]) -> f
     batch = sum(consumed.values())
     if batch <= 0:
         raise ValueError("consumed: empty iteration")
-    names = set(consumed) | set(target)
+    names = sorted(set(consumed) | set(target))  # fixed order: float sums must not depend on hash seeds
     return 0.5 * sum(abs(consumed.get(w, 0) / batch - target.get(w, 0.0)) for w in names)
 
 

@@ -128,6 +128,17 @@ class BlockPool:
             if block_hash in self.watched:
                 self.watch_dirty = True
 
+    def cache_blocks(self, blocks: list[Block], hashes: list[int]) -> None:
+        """`cache_block` for many (the hot path of prefill and free)."""
+        cached = self.cached
+        watched = self.watched
+        for block, h in zip(blocks, hashes):
+            if block.block_hash is None and h not in cached:
+                block.block_hash = h
+                cached[h] = block
+                if watched and h in watched:
+                    self.watch_dirty = True
+
     def check_invariants(self) -> None:
         for b in self.blocks[1:]:
             assert b.ref_cnt >= 0, b

@@ -92,9 +92,8 @@ class KVCacheManager:
         if n_full <= req.num_cached_blocks:
             return
         self.extend_block_hashes(req, n_full * self.block_size)
-        cache = self.pool.cache_block
-        for i in range(req.num_cached_blocks, n_full):
-            cache(req.blocks[i], req.block_hashes[i])
+        start = req.num_cached_blocks
+        self.pool.cache_blocks(req.blocks[start:n_full], req.block_hashes[start:n_full])
         req.num_cached_blocks = n_full
 
     def free(self, req: EngineRequest) -> None:

@@ -55,7 +55,7 @@ def test_profiles_bring_their_workers(profile, service, engine):
     services = yaml.safe_load(r.stdout)["services"]
     assert {"redis", "broker", "broker-standby", "api", "tools", service} <= set(services)
     cmd = " ".join(services[service]["command"])
-    assert "rollout-broker worker" in cmd and "--backend-id" in cmd
+    assert "rollout-broker worker" in cmd and "--backend-id" in cmd and "--tools rq" in cmd
     assert engine.split(":")[0] + ":" in cmd
     env = services[service]["environment"]
     if profile == "gpu":
@@ -63,6 +63,26 @@ def test_profiles_bring_their_workers(profile, service, engine):
         assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     else:
         assert env["RB_SIM_PROFILE"] == "h100-8b"
+
+
+def test_commands_use_options_the_cli_has():
+    """Every `--option` compose passes to a subcommand exists on that subcommand."""
+    import typer.main
+
+    from broker.cli import app
+
+    group = typer.main.get_command(app)
+    services = yaml.safe_load(run("--profile", "gpu", "--profile", "cpu", "config").stdout)["services"]
+    for name, svc in services.items():
+        if name == "redis":
+            continue
+        words = " ".join(svc["command"]).replace('"', " ").split()
+        if "rollout-broker" in words:
+            words = words[words.index("rollout-broker") + 1:]
+        sub = group.commands[words[0]]
+        known = {o for p in sub.params for o in getattr(p, "opts", ()) if o.startswith("--")}
+        passed = {w for w in words if w.startswith("--")}
+        assert passed <= known, (name, passed - known)
 
 
 def test_redis_keeps_an_append_only_file_on_a_volume():

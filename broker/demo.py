@@ -1,0 +1,352 @@
+"""`rollout-broker demo`: the whole system on one machine, no set-up, then a summary.
+
+Starts (each child in a process group of its own, so a worker's engine dies with it):
+a Redis server unless one answers (`ensure_redis`), N workers each with a simulated engine
+(`--engine sim:PROFILE`, time-scaled, small KV), optionally RQ tool workers, and the broker.
+This process is the synthetic trainer: it keeps `inflight_bound` sessions of the scenario in
+flight, choosing the workload furthest below its target share, and reads results in batches of
+`batch_size` (one trainer iteration). Live view: queue depth per workload, KV usage per engine,
+throughput and mixture drift. At the end, or on Ctrl-C / SIGTERM: stop every child (SIGTERM to
+its group, SIGKILL after a grace), delete the demo's keys, print the summary.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from broker.client import RolloutClient
+from broker.heartbeat import parse_heartbeat
+from broker.keys import Keys
+from broker.redis_server import RedisHandle, ensure_redis
+from broker.session import Session, SessionResult, SessionState
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_SCENARIO = ROOT / "scenarios" / "demo.yaml"
+
+
+@dataclass(slots=True)
+class DemoSettings:
+    engines: int = 4
+    duration_s: float = 60.0
+    policy: str = "least_loaded"
+    scenario: Path = DEFAULT_SCENARIO
+    time_scale: float = 20.0
+    kv_tokens: int | None = None  # default: the scenario's fleet.kv_tokens
+    tools: str = "inline"  # inline | rq
+    tool_workers: int = 2  # rq only
+    redis_url: str | None = None
+    ready_timeout_s: float = 120.0
+
+
+# -- children ----------------------------------------------------------------------------------
+
+@dataclass
+class Children:
+    """Processes we started, each the leader of its own process group."""
+
+    logdir: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.logdir / f"{name}.log", "wb")
+        p = subprocess.Popen([sys.executable, "-m", "broker.cli", *args], cwd=ROOT,
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        log.close()
+        self.procs[name] = p
+        return p
+
+    def dead(self) -> list[str]:
+        return [n for n, p in self.procs.items() if p.poll() is not None]
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        text = (self.logdir / f"{name}.log").read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        for p in self.procs.values():
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs.values():  # the group too: an engine child outliving its worker
+            _signal_group(p, signal.SIGKILL)
+            if p.poll() is None:
+                p.wait()
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# -- the synthetic trainer ----------------------------------------------------------------------
+
+def with_truth(sim) -> Session:
+    """The public session plus its simulated truth in metadata, for the sim tool and engine
+    (`sim_output_len`). Policies never see metadata; a real trainer sends none of this."""
+    t = sim.truth
+    meta = dict(sim.session.metadata)
+    meta.update(tool="sim", reward="parity", sim_seed=t.token_seed, sim_turns=t.turns,
+                sim_vocab=t.vocab_size,
+                sim_output_tokens=",".join(map(str, t.output_tokens)),
+                sim_tool_latency_s=",".join(f"{x:.4f}" for x in t.tool_latency_s),
+                sim_observation_tokens=",".join(map(str, t.observation_tokens)),
+                sim_final_latency_s=round(t.final_latency_s, 4))
+    return sim.session.model_copy(update={"metadata": meta})
+
+
+@dataclass
+class TrainerStats:
+    started: float = field(default_factory=time.monotonic)
+    enqueued: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    enqueued_at: dict[str, float] = field(default_factory=dict)
+    results: list[tuple[SessionResult, float]] = field(default_factory=list)  # (result, latency)
+    iteration_drift: list[float] = field(default_factory=list)
+    iteration_s: list[float] = field(default_factory=list)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(self.enqueued.values()) - len(self.results)
+
+    def done(self, w: str | None = None) -> list[SessionResult]:
+        return [r for r, _ in self.results if w is None or r.workload == w]
+
+
+def drift(batch: list[SessionResult], mixture: dict[str, float]) -> float:
+    """½·Σ_w |share of w in the batch − π_w| (DESIGN §6)."""
+    n = len(batch) or 1
+    return 0.5 * sum(abs(sum(r.workload == w for r in batch) / n - p) for w, p in mixture.items())
+
+
+class Trainer:
+    def __init__(self, client: RolloutClient, scenario, mixture: dict[str, float]) -> None:
+        from sim.workloads.source import GeneratedSource
+
+        self.client = client
+        self.scenario = scenario
+        self.mixture = mixture
+        self.source = GeneratedSource(scenario)
+        self.stats = TrainerStats()
+        self._batch: list[SessionResult] = []
+        self._last_iteration = time.monotonic()
+
+    def top_up(self) -> None:
+        bound = self.scenario.trainer.inflight_bound
+        while True:
+            total = sum(self.stats.enqueued.values()) or 1
+            w = min(self.mixture, key=lambda w: self.stats.enqueued[w] / total - self.mixture[w])
+            group = self.source.next_group(w)
+            if group is None or self.stats.in_flight + len(group) > bound:
+                return
+            now = time.monotonic()
+            self.client.enqueue([with_truth(s) for s in group])
+            for s in group:
+                self.stats.enqueued_at[s.session_id] = now
+            self.stats.enqueued[w] += len(group)
+
+    def collect(self, timeout: float) -> None:
+        got = self.client.results(self.scenario.trainer.batch_size, timeout=timeout)
+        now = time.monotonic()
+        for r in got:
+            self.stats.results.append((r, now - self.stats.enqueued_at.get(r.session_id, now)))
+        self._batch += got
+        b = self.scenario.trainer.batch_size
+        while len(self._batch) >= b:
+            it, self._batch = self._batch[:b], self._batch[b:]
+            self.stats.iteration_drift.append(drift(it, self.mixture))
+            self.stats.iteration_s.append(now - self._last_iteration)
+            self._last_iteration = now
+
+
+# -- the view -----------------------------------------------------------------------------------
+
+def _engines(r: redis.Redis, keys: Keys, backends: list[str]) -> dict[str, dict]:
+    pipe = r.pipeline(transaction=False)
+    for b in backends:
+        pipe.get(keys.heartbeat(b))
+    out = {}
+    for b, raw in zip(backends, pipe.execute()):
+        hb = parse_heartbeat(raw)
+        out[b] = hb.metrics.model_dump() if hb is not None else None
+    return out
+
+
+def live_view(trainer: Trainer, status: dict, engines: dict[str, dict | None], elapsed: float,
+              duration: float) -> Group:
+    st = trainer.stats
+    done = st.done()
+    tokens = sum(r.output_tokens for r in done)
+    mean_drift = statistics.fmean(st.iteration_drift) if st.iteration_drift else 0.0
+    head = Table.grid(padding=(0, 3))
+    head.add_row(f"[bold]rollout-broker demo[/] {elapsed:5.1f}/{duration:.0f}s",
+                 f"sessions done [bold]{len(done)}[/]", f"in flight {st.in_flight}",
+                 f"throughput [bold]{tokens / max(elapsed, 1e-9):,.0f}[/] tok/s",
+                 f"drift {mean_drift:.3f}")
+    wl = Table(title="workloads", expand=False)
+    for col in ("workload", "target π", "queued", "done", "failed", "share done", "tokens"):
+        wl.add_column(col, justify="right")
+    for w, p in trainer.mixture.items():
+        mine = st.done(w)
+        wl.add_row(w, f"{p:.2f}", str(status["pending"].get(w, 0)), str(len(mine)),
+                   str(sum(r.status == SessionState.failed for r in mine)),
+                   f"{len(mine) / max(1, len(done)):.2f}", f"{sum(r.output_tokens for r in mine):,}")
+    en = Table(title="engines", expand=False)
+    for col in ("backend", "healthy", "KV usage", "running", "waiting", "reserved", "preempt",
+                "prefix hit"):
+        en.add_column(col, justify="right")
+    for b, led in sorted(status["backends"].items()):
+        m = engines.get(b)
+        kv = f"{m['kv_usage']:.0%}" if m else "-"
+        hit = (f"{m['prefix_hits_total'] / m['prefix_queries_total']:.0%}"
+               if m and m["prefix_queries_total"] else "-")
+        en.add_row(b, "yes" if led["healthy"] else "[red]no[/]", kv,
+                   str(m["running"]) if m else "-", str(m["waiting"]) if m else "-",
+                   f"{led['reserved_tokens']:,}/{led['capacity_tokens']:,}",
+                   str(m["preemptions_total"]) if m else "-", hit)
+    return Group(head, wl, en)
+
+
+def summary(trainer: Trainer, engines: dict[str, dict | None], elapsed: float) -> Table:
+    st = trainer.stats
+    t = Table(title=f"summary: {len(st.results)} sessions in {elapsed:.1f}s")
+    for col in ("workload", "done", "failed", "output tokens", "tok/s", "cached tokens",
+                "p50 latency", "p99 latency", "mean reward"):
+        t.add_column(col, justify="right")
+    for w in [*trainer.mixture, None]:
+        rows = [(r, lat) for r, lat in st.results if w is None or r.workload == w]
+        ok = [r for r, _ in rows if r.status == SessionState.done]
+        lats = sorted(lat for _, lat in rows)
+        tokens = sum(r.output_tokens for r, _ in rows)
+        cached = sum(r.cached_tokens for r, _ in rows)
+        rewards = [r.reward for r in ok if r.reward is not None]
+        t.add_row(w or "[bold]all[/]", str(len(ok)), str(len(rows) - len(ok)), f"{tokens:,}",
+                  f"{tokens / max(elapsed, 1e-9):,.0f}",
+                  f"{cached:,}",
+                  f"{lats[len(lats) // 2]:.2f}s" if lats else "-",
+                  f"{lats[min(len(lats) - 1, int(0.99 * len(lats)))]:.2f}s" if lats else "-",
+                  f"{statistics.fmean(rewards):.3f}" if rewards else "-")
+    t.caption = (f"iterations {len(st.iteration_drift)} of {trainer.scenario.trainer.batch_size}; "
+                 f"mean drift {statistics.fmean(st.iteration_drift) if st.iteration_drift else 0:.3f}; "
+                 f"mean iteration {statistics.fmean(st.iteration_s) if st.iteration_s else 0:.2f}s; "
+                 "preemptions " + ", ".join(f"{b} {m['preemptions_total']}" if m else f"{b} -"
+                                            for b, m in sorted(engines.items())))
+    return t
+
+
+# -- orchestration ------------------------------------------------------------------------------
+
+def _wait_ready(client: RolloutClient, children: Children, backends: list[str],
+                timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dead = children.dead()
+        if dead:
+            raise RuntimeError(f"demo: {dead[0]} exited on start:\n{children.log_tail(dead[0])}")
+        healthy = client.status()["backends"]
+        if all(healthy.get(b, {}).get("healthy") for b in backends):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"demo: engines not ready within {timeout_s:.0f}s; logs in {children.logdir}")
+
+
+def _terminate_on_sigterm() -> None:
+    def raise_interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, raise_interrupt)
+
+
+def run_demo(settings: DemoSettings, console: Console | None = None) -> int:
+    from sim.scenario import load_scenario
+
+    console = console or Console()
+    scenario = load_scenario(settings.scenario)
+    kv = settings.kv_tokens or scenario.fleet.kv_tokens
+    _terminate_on_sigterm()
+    handle: RedisHandle = ensure_redis(settings.redis_url)
+    namespace = f"demo-{uuid.uuid4().hex[:8]}"
+    keys = Keys(namespace)
+    logdir = Path(tempfile.mkdtemp(prefix="rb-demo-"))
+    children = Children(logdir)
+    backends = [f"engine-{i}" for i in range(settings.engines)]
+    client = RolloutClient(handle.url, namespace)
+    r = redis.Redis.from_url(handle.url)
+    trainer = Trainer(client, scenario, dict(scenario.mixture))
+    engines: dict[str, dict | None] = {}
+    started = time.monotonic()
+    interrupted = False
+    console.print(f"redis {handle.url} ({'private' if handle.owned else 'existing'}), "
+                  f"namespace {namespace}, logs {logdir}")
+    try:
+        common = ["--redis-url", handle.url, "--namespace", namespace, "--log-level", "WARNING"]
+        for i, b in enumerate(backends):
+            args = ["worker", "--backend-id", b, "--engine", f"sim:{scenario.fleet.profile}",
+                    "--time-scale", repr(settings.time_scale), "--seed", str(i),
+                    "--tools", settings.tools, "--drain-grace", "2", *common]
+            if kv:
+                args += ["--kv-tokens", str(kv)]
+            children.start(b, args)
+        if settings.tools == "rq":
+            for i in range(settings.tool_workers):
+                children.start(f"tools-{i}", ["tools", "--redis-url", handle.url])
+        children.start("broker", ["broker", "--policy", settings.policy, "--lease-s", "2", *common])
+        client.set_mixture(scenario.mixture)
+        console.print(f"starting {settings.engines} engines ({scenario.fleet.profile}, "
+                      f"{kv or 'profile'} KV tokens, ×{settings.time_scale:g}), policy "
+                      f"{settings.policy}, scenario {scenario.name} ...")
+        _wait_ready(client, children, backends, settings.ready_timeout_s)
+        started = time.monotonic()
+        with Live(console=console, refresh_per_second=4, transient=False) as live:
+            while (elapsed := time.monotonic() - started) < settings.duration_s:
+                trainer.top_up()
+                trainer.collect(timeout=0.25)
+                engines = _engines(r, keys, backends)
+                live.update(live_view(trainer, client.status(), engines, elapsed,
+                                      settings.duration_s))
+                dead = children.dead()
+                if dead:
+                    raise RuntimeError(f"demo: {dead[0]} died:\n{children.log_tail(dead[0])}")
+    except KeyboardInterrupt:
+        interrupted = True
+        console.print("[yellow]interrupted: stopping[/]")
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        elapsed = time.monotonic() - started
+        try:
+            engines = _engines(r, keys, backends) or engines
+        except redis.RedisError:
+            pass
+        children.stop()
+        client.close()
+        if not handle.owned:  # leave someone else's Redis as we found it
+            for key in r.scan_iter(match=f"{keys.prefix}*", count=1000):
+                r.delete(key)
+        r.close()
+        handle.close()
+    console.print()
+    console.print(summary(trainer, engines, elapsed))
+    if interrupted:
+        console.print("stopped early by interrupt")
+    return 0

@@ -1,0 +1,434 @@
+"""misa_t: admission with residency-time-aware KV accounting, workload KV shares and AIMD α.
+
+Each `decide(snapshot)`:
+
+1. Learn: completions feed the per-workload predictors (misa_t_predictors.py).
+2. Account (residency): on each fresh heartbeat of a backend, re-charge its sessions. A
+   single-turn session that has produced x tokens is charged prompt + the q-quantile of the
+   lengths seen above x; a turn of a multi-turn session its context plus the same tail for the
+   turn's output; a session parked on a tool keeps its history charged only while holding it
+   is cheaper than re-prefilling it (expected remaining wait × history KV·s against the
+   engine time a re-prefill costs, priced at the KV resident there), otherwise its charge is
+   released. Changed charges go back in `Decision.recharge`.
+3. Adapt α_b by AIMD on that heartbeat (misa_t_control.AimdParams.step).
+4. Allocate: workload w may hold σ_w of Σ_b α_b·C_b, σ_w ∝ π_w·K_w with a deficit correction;
+   idle shares are lent, and lending stops (never preempts) once an owner has pending work.
+5. Admit, most under-served workload first, each workload oldest first: a GRPO group goes
+   whole to one backend when it fits; otherwise each member (and any single session) goes to
+   the backend with the longest cached-prefix match among those within `locality_slack` of
+   the least-utilised, ties by headroom. A backend takes a session only while its reservations
+   fit α_b·C_b. Follow-up turns (`turn > 0`) go home unconditionally.
+
+Switches (`MisaTConfig`) turn off each mechanism; the ablations `misa_t-admission`,
+`misa_t-allocation` and `misa_t-residency` are MISA-T with that one switch off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from broker.policies import register, register_factory
+from broker.policies.base import (
+    Admission,
+    BackendView,
+    Completion,
+    Decision,
+    PendingItem,
+    Policy,
+    ResidentSession,
+    Snapshot,
+    Telemetry,
+    default_reservation,
+)
+from broker.policies.misa_t_control import AimdParams, may_admit, shares
+from broker.policies.misa_t_predictors import PredictorParams, WorkloadModel
+from broker.policies.misa_t_prefix import PrefixIndex, PrefixKey, prefix_key
+
+
+@dataclass(frozen=True, slots=True)
+class MisaTConfig:
+    adaptive_admission: bool = True  # off: α stays alpha_init (no AIMD)
+    workload_allocation: bool = True  # off: no shares, no deficit; oldest first across workloads
+    residency_accounting: bool = True  # off: charge prompt + max_tokens once, never re-charge
+    prefix_placement: bool = True  # off: most headroom, no prefix index
+    length_quantile: float = 0.9  # charge by this quantile of (the tail of) output lengths
+    deficit_gain: float = 1.0  # σ_w scales by 1 + gain·relative consumed deficit, in [0.5, 2]
+    locality_slack: float = 0.15  # prefer a prefix match only within this utilisation of the least used
+    recharge_tolerance: float = 0.05  # re-charge only when a charge moves by more than this fraction
+    # Re-evaluate a session's charge once it has produced this many tokens more (~6 s of decode
+    # at ~40 tok/s), its turn or parking changed, or recheck_s passed (a tool wait ageing).
+    recheck_tokens: int = 256
+    recheck_s: float = 5.0
+    # Re-prefill price (the h200-30b-a3b profile's a and c; DESIGN §5): seconds of engine step
+    # time per recomputed token and per (query, key) pair of that recompute.
+    prefill_s_per_token: float = 15e-6
+    prefill_s_per_pair: float = 2.6e-9
+    aimd: AimdParams = field(default_factory=AimdParams)
+    predictors: PredictorParams = field(default_factory=PredictorParams)
+
+
+@dataclass(slots=True)
+class _Track:
+    """What the policy remembers of one admitted session between heartbeats."""
+
+    backend_id: str
+    workload: str
+    turn: int = -1  # last turn number seen in a heartbeat
+    turn_base: int = 0  # generated_tokens when that turn was first seen (its progress origin)
+    parked_since: float | None = None  # first heartbeat time seen waiting on a tool
+    checked_tokens: int = -1  # generated_tokens when the charge was last computed
+    checked_parked: bool = False  # waiting_on_tool then
+    checked_at: float = 0.0  # heartbeat time then
+
+
+@dataclass(slots=True)
+class _Backend:
+    """Per-backend working state of one decide() call."""
+
+    view: BackendView
+    limit: float  # α_b·C_b
+    reserved: float
+
+    @property
+    def headroom(self) -> float:
+        return self.limit - self.reserved
+
+
+@register
+class MisaT(Policy):
+    name = "misa_t"
+
+    def __init__(self, config: MisaTConfig | None = None, **overrides: Any) -> None:
+        self.config = replace(config or MisaTConfig(), **overrides)
+        self.models: dict[str, WorkloadModel] = {}
+        self.alpha: dict[str, float] = {}
+        self.prefix = PrefixIndex()
+        self._tracks: dict[str, _Track] = {}
+        self._last_hb: dict[str, Telemetry] = {}
+        self._keys: dict[str, PrefixKey] = {}  # prefix keys of pending items, by session (or group)
+
+    # -- predictions (the oracle overrides these two) ------------------------------------
+    def admission_output(self, item: PendingItem) -> float:
+        """Output tokens to charge a new placement for its first (or current) turn."""
+        model = self._model(item.workload, item.max_tokens, item.max_turns)
+        return min(item.max_tokens, model.turn_output.quantile(self.config.length_quantile))
+
+    def turn_output(self, session: ResidentSession, turn_index: int, progress: int) -> float:
+        """Where the running turn is expected to end, given `progress` tokens so far."""
+        model = self._model(session.workload, session.max_tokens, session.max_turns)
+        end = model.turn_output.tail_quantile(progress, self.config.length_quantile)
+        return min(session.max_tokens, max(end, progress + 1))
+
+    # -- decide --------------------------------------------------------------------------
+    def decide(self, snapshot: Snapshot) -> Decision:
+        decision = Decision()
+        for c in snapshot.new_completions:
+            self._learn(c)
+        backends, used = self._account(snapshot, decision)
+        if backends:
+            self._admit(snapshot, backends, used, decision)
+        return decision
+
+    def _model(self, workload: str, max_tokens: int, max_turns: int) -> WorkloadModel:
+        model = self.models.get(workload)
+        if model is None:
+            model = WorkloadModel(max_tokens, max_turns, self.config.predictors)
+            self.models[workload] = model
+        return model
+
+    def _learn(self, c: Completion) -> None:
+        model = self.models.get(c.workload)
+        if model is None:
+            return  # never admitted by this policy object: no caps known to seed a prior
+        model.observe(c)
+        self._tracks.pop(c.session_id, None)
+
+    # -- accounting and α ----------------------------------------------------------------
+    def _account(
+        self, snapshot: Snapshot, decision: Decision
+    ) -> tuple[list[_Backend], dict[str, float]]:
+        """Re-charge, adapt α; return the healthy backends and the KV charged per workload."""
+        cfg = self.config
+        used: dict[str, float] = {}
+        work_pending = any(snapshot.pending.values())
+        present = set()
+        out: list[_Backend] = []
+        for view in snapshot.backends:
+            b = view.backend_id
+            present.add(b)
+            self.prefix.sync_backend(b, view.capacity_tokens)
+            # A restarted broker resumes from the ledger's α; without AIMD α is a constant.
+            first = view.alpha if cfg.adaptive_admission and view.alpha > 0 else cfg.aimd.alpha_init
+            alpha = self.alpha.setdefault(b, first)
+            reserved = 0.0
+            hb = view.telemetry
+            fresh = hb is not None and (b not in self._last_hb or hb.at > self._last_hb[b].at)
+            recharge = fresh and cfg.residency_accounting
+            for s in view.sessions:
+                charge = (
+                    self._recharge(s, view, snapshot.now, decision)
+                    if recharge
+                    else s.reserved_tokens
+                )
+                reserved += charge
+                used[s.workload] = used.get(s.workload, 0.0) + charge
+            if fresh:
+                if cfg.adaptive_admission:
+                    alpha = cfg.aimd.step(
+                        alpha,
+                        hb,
+                        self._last_hb.get(b),
+                        work_pending=work_pending,
+                        reserved=reserved,
+                        capacity=view.capacity_tokens,
+                    )
+                self._last_hb[b] = hb
+            self.alpha[b] = alpha
+            if abs(view.alpha - alpha) > 1e-9:
+                decision.alpha[b] = alpha
+            if view.healthy:
+                out.append(_Backend(view, alpha * view.capacity_tokens, reserved))
+        for b in self.prefix.backends():
+            if b not in present:
+                self.prefix.drop_backend(b)
+                self._last_hb.pop(b, None)
+        return out, used
+
+    def _recharge(
+        self, s: ResidentSession, view: BackendView, now: float, decision: Decision
+    ) -> float:
+        cfg = self.config
+        track = self._tracks.get(s.session_id)
+        if track is None:  # admitted by a previous broker incarnation: start tracking now
+            track = _Track(view.backend_id, s.workload)
+            self._tracks[s.session_id] = track
+        if (
+            s.generated_tokens - track.checked_tokens < cfg.recheck_tokens
+            and s.waiting_on_tool == track.checked_parked
+            and s.turn == track.turn
+            and now - track.checked_at < cfg.recheck_s
+        ):
+            return float(s.reserved_tokens)  # nothing moved enough to change the charge
+        track.checked_tokens, track.checked_parked, track.checked_at = (
+            s.generated_tokens, s.waiting_on_tool, now)
+        charge = self.residency_charge(s, track, view, now)
+        if abs(charge - s.reserved_tokens) > self.config.recharge_tolerance * max(
+            s.reserved_tokens, 1
+        ):
+            decision.recharge[s.session_id] = int(charge)
+            return float(int(charge))
+        return float(s.reserved_tokens)
+
+    def residency_charge(
+        self, s: ResidentSession, track: _Track, view: BackendView, now: float
+    ) -> float:
+        """The KV tokens session `s` should be charged now (DESIGN §4.1)."""
+        if s.turn != track.turn:
+            track.turn, track.turn_base = s.turn, s.generated_tokens
+        if s.max_turns <= 1:
+            end = self.turn_output(s, 0, s.generated_tokens)
+            return s.prompt_tokens + end
+        if s.waiting_on_tool:
+            if track.parked_since is None:
+                track.parked_since = now
+            if self.hold_is_cheaper(s.workload, s.context_tokens, now - track.parked_since, view):
+                return s.context_tokens + self.admission_output_for(s)
+            return 0.0
+        track.parked_since = None
+        progress = max(0, s.generated_tokens - track.turn_base)
+        end = self.turn_output(s, max(0, s.turn - 1), progress)
+        return s.context_tokens + max(0.0, end - progress)
+
+    def admission_output_for(self, s: ResidentSession) -> float:
+        model = self._model(s.workload, s.max_tokens, s.max_turns)
+        return min(s.max_tokens, model.turn_output.quantile(self.config.length_quantile))
+
+    def hold_is_cheaper(self, workload: str, history: int, waited: float, view: BackendView) -> bool:
+        """Keep a parked session's history charged iff holding it for the expected rest of the
+        tool wait costs fewer KV·token-seconds than re-prefilling it would.
+
+        Holding: history × E[wait − waited | wait > waited]. Re-prefill: its engine time
+        (a·H + c·H²/2 — chunked prefill stretches steps for the whole batch) times the KV
+        resident on that backend, which sits idle-in-place for that long.
+        """
+        cfg = self.config
+        model = self.models.get(workload)
+        remaining = model.tool_wait.tail_mean(waited) if model else cfg.predictors.prior_tool_wait_s
+        prefill_s = cfg.prefill_s_per_token * history + cfg.prefill_s_per_pair * history * history / 2
+        usage = view.telemetry.kv_usage if view.telemetry is not None else 0.0
+        resident = max(usage * view.capacity_tokens, history)
+        return history * remaining <= prefill_s * resident
+
+    # -- allocation and admission --------------------------------------------------------
+    def _charge(self, item: PendingItem) -> float:
+        model = self._model(item.workload, item.max_tokens, item.max_turns)
+        if item.turn == 0:
+            model.note_prompt(item.prompt_tokens)
+        if not self.config.residency_accounting:
+            return float(default_reservation(item))
+        return item.prompt_tokens + self.admission_output(item)
+
+    def _kv_seconds(
+        self, fresh: Mapping[str, list[PendingItem]], target: Mapping[str, float]
+    ) -> dict[str, float]:
+        """K_w per workload. Without residency accounting, the static charge instead (KV
+        tokens, not token-seconds): what an accounting blind to residency time would use."""
+        out = {}
+        for w in target:
+            model = self.models.get(w)
+            if model is None:
+                if w not in fresh:
+                    continue
+                head = fresh[w][0]
+                model = self._model(w, head.max_tokens, head.max_turns)
+                model.note_prompt(head.prompt_tokens)
+            if self.config.residency_accounting:
+                out[w] = model.kv_seconds_per_session()
+            else:
+                out[w] = model.prompt_mean + model.max_tokens * model.max_turns
+        return out
+
+    def _admit(
+        self,
+        snapshot: Snapshot,
+        backends: list[_Backend],
+        used: dict[str, float],
+        decision: Decision,
+    ) -> None:
+        cfg = self.config
+        fresh: dict[str, Sequence[PendingItem]] = {}
+        for w, items in snapshot.pending.items():
+            if any(item.turn for item in items):
+                # Follow-up turns (router mode) go home first, whatever the limits say: their
+                # history is cached there.
+                by_id = {b.view.backend_id: b for b in backends}
+                for item in items:
+                    if item.turn and item.home_backend in by_id:
+                        charge = self._charge(item)
+                        self._place(item, by_id[item.home_backend], charge, decision)
+                        used[w] = used.get(w, 0.0) + charge
+                items = tuple(item for item in items if not item.turn)
+            if items:
+                fresh[w] = items
+        if not fresh:
+            return
+        quota: dict[str, float] = {}
+        if cfg.workload_allocation:
+            total = sum(b.limit for b in backends)
+            sigma = shares(
+                snapshot.mixture_target,
+                self._kv_seconds(fresh, snapshot.mixture_target),
+                snapshot.consumed,
+                cfg.deficit_gain,
+            )
+            quota = {w: s * total for w, s in sigma.items()}
+        cursor = dict.fromkeys(fresh, 0)
+        live = set(fresh)
+        while live:
+            if cfg.workload_allocation:
+                waiting = {w for w in fresh if cursor[w] < len(fresh[w])}
+                allowed = [w for w in live if may_admit(w, used, quota, waiting)]
+                if not allowed:
+                    return
+                w = min(allowed, key=lambda v: (used.get(v, 0.0) / max(quota.get(v, 0.0), 1e-9), v))
+            else:
+                w = min(live, key=lambda v: (fresh[v][cursor[v]].enqueued_at, v))
+            taken, charged = self._admit_next(fresh[w], cursor[w], backends, decision)
+            if not taken:
+                live.discard(w)  # its oldest does not fit: FIFO within a workload, no overtaking
+                continue
+            used[w] = used.get(w, 0.0) + charged
+            cursor[w] += taken
+            if cursor[w] >= len(fresh[w]):
+                live.discard(w)
+
+    def _admit_next(
+        self,
+        items: Sequence[PendingItem],
+        start: int,
+        backends: list[_Backend],
+        decision: Decision,
+    ) -> tuple[int, float]:
+        """Admit the item at `start` (with the rest of its GRPO group): (how many, KV charged)."""
+        head = items[start]
+        group = [head]
+        if head.group_id is not None and head.group_size > 1:
+            for it in items[start + 1 : start + head.group_size]:
+                if it.group_id != head.group_id or it.turn > 0:
+                    break
+                group.append(it)
+        charges = [self._charge(it) for it in group]
+        key = self._key(head) if self.config.prefix_placement else None
+        if len(group) > 1:
+            target, hit = self._choose(backends, sum(charges), key)
+            if target is not None:
+                for it, ch in zip(group, charges):
+                    self._place(it, target, ch, decision, key, hit)
+                    hit = key.tokens[-1] if key is not None and key.tokens else 0
+                return len(group), sum(charges)
+        taken, charged = 0, 0.0
+        for it, ch in zip(group, charges):
+            target, hit = self._choose(backends, ch, key)
+            if target is None:
+                break
+            self._place(it, target, ch, decision, key, hit)
+            taken, charged = taken + 1, charged + ch
+        return taken, charged
+
+    def _key(self, item: PendingItem) -> PrefixKey:
+        cache_id = item.group_id if item.group_id is not None else item.session_id
+        key = self._keys.get(cache_id)
+        if key is None:
+            key = prefix_key(item.prefix)
+            if len(self._keys) > 65536:
+                self._keys.clear()
+            self._keys[cache_id] = key
+        return key
+
+    def _choose(
+        self, backends: list[_Backend], charge: float, key: PrefixKey | None
+    ) -> tuple[_Backend | None, int]:
+        """The backend for `charge` tokens, and how much of `key` it probably caches."""
+        fits = [b for b in backends if b.headroom >= charge]
+        if not fits:
+            return None, 0
+        matched = self.prefix.matches(key) if key is not None and key.hashes else None
+        if not matched:
+            return max(fits, key=lambda b: b.headroom), 0
+        floor = min(b.reserved / b.limit for b in fits) + self.config.locality_slack
+        near = [b for b in fits if b.reserved / b.limit <= floor]
+        best = max(near, key=lambda b: (matched.get(b.view.backend_id, 0), b.headroom))
+        return best, matched.get(best.view.backend_id, 0)
+
+    def _place(
+        self,
+        item: PendingItem,
+        target: _Backend,
+        charge: float,
+        decision: Decision,
+        key: PrefixKey | None = None,
+        hit: int = 0,
+    ) -> None:
+        """Admit `item` to `target`; `hit` tokens of its prompt are probably cached there."""
+        b = target.view.backend_id
+        target.reserved += charge
+        decision.admissions.append(Admission(item.session_id, b, int(charge)))
+        self._tracks[item.session_id] = _Track(b, item.workload)
+        if key is not None:
+            self.prefix.insert(key, b, charge - hit)
+
+
+def _variant(name: str, **switches: bool) -> Callable[..., MisaT]:
+    def make(**params: Any) -> MisaT:
+        policy = MisaT(**switches, **params)
+        policy.name = name
+        return policy
+
+    return make
+
+
+register_factory("misa_t-admission", _variant("misa_t-admission", adaptive_admission=False))
+register_factory("misa_t-allocation", _variant("misa_t-allocation", workload_allocation=False))
+register_factory("misa_t-residency", _variant("misa_t-residency", residency_accounting=False))

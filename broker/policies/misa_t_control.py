@@ -1,0 +1,107 @@
+"""MISA-T's two feedback rules, as small pure units: α by AIMD, and workload KV shares.
+
+`AimdParams.step` turns one backend's heartbeat into its next α (DESIGN §4.3): back off
+multiplicatively on a new preemption, a growing engine waiting queue or KV usage above the high
+watermark; grow additively while usage is below target, work is pending and α is what binds.
+
+`shares` and `may_admit` are the allocation of DESIGN §4.2: σ_w = π_w K_w / Σ_v π_v K_v of the
+admitted capacity, a deficit counter on consumed-vs-target nudging σ, lending to whoever has
+pending work while a share sits idle, and reclaiming only by not lending any more (a borrowed
+reservation is never taken back: it goes back as the borrower finishes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from broker.policies.base import Telemetry
+
+
+@dataclass(frozen=True, slots=True)
+class AimdParams:
+    alpha_init: float = 1.0  # reservations may reach C_b at first: the ledger's own default
+    alpha_min: float = 0.5  # never admit below half the cache: below that a backend idles
+    alpha_max: float = 3.0  # overbooking limit: predicted peaks are rarely reached together
+    increase: float = 0.05  # additive step per heartbeat (~1 s): 0 → +1 in ~20 s
+    backoff_preempt: float = 0.8  # the engine recomputed someone: the ledger let too much in
+    backoff_waiting: float = 0.9  # the engine queue grows: admitted work does not fit
+    backoff_high: float = 0.95  # usage above the watermark: the next growth step may preempt
+    kv_high: float = 0.95  # vLLM preempts at 100%: keep one decode burst of slack
+    kv_target: float = 0.85  # grow α only while usage is below this
+    waiting_tolerance: int = 4  # queued requests tolerated (arrivals wait a step for prefill)
+    binding: float = 0.9  # α binds when reservations reach this fraction of α·C_b
+
+    def step(
+        self,
+        alpha: float,
+        now: Telemetry,
+        before: Telemetry | None,
+        *,
+        work_pending: bool,
+        reserved: float,
+        capacity: float,
+    ) -> float:
+        """The α after heartbeat `now` (`before` is the previous one from this backend)."""
+        preempted = before is not None and now.preemptions_total > before.preemptions_total
+        queue_grows = now.waiting > self.waiting_tolerance and (
+            before is None or now.waiting > before.waiting
+        )
+        if preempted:
+            alpha *= self.backoff_preempt
+        elif queue_grows:
+            alpha *= self.backoff_waiting
+        elif now.kv_usage > self.kv_high:
+            alpha *= self.backoff_high
+        elif (
+            now.kv_usage < self.kv_target
+            and work_pending
+            and reserved >= self.binding * alpha * capacity
+        ):
+            alpha += self.increase
+        return min(self.alpha_max, max(self.alpha_min, alpha))
+
+
+def shares(
+    target: Mapping[str, float],
+    kv_seconds: Mapping[str, float],
+    consumed: Mapping[str, int],
+    deficit_gain: float,
+) -> dict[str, float]:
+    """σ_w ∝ π_w·K_w·(1 + gain·deficit_w), normalised; deficit_w = (π_w·N − consumed_w)/(π_w·N).
+
+    A workload consumed less than its target (deficit > 0) gets a larger share, one consumed
+    more a smaller one; the factor is clamped to [0.5, 2] so a transient cannot starve anyone.
+    """
+    total = sum(consumed.values())
+    raw: dict[str, float] = {}
+    for w, pi in target.items():
+        if pi <= 0:
+            continue
+        factor = 1.0
+        if total > 0 and deficit_gain > 0:
+            expected = pi * total
+            factor = 1.0 + deficit_gain * (expected - consumed.get(w, 0)) / expected
+            factor = min(2.0, max(0.5, factor))
+        raw[w] = pi * max(kv_seconds.get(w, 0.0), 1e-9) * factor
+    norm = sum(raw.values())
+    return {w: v / norm for w, v in raw.items()} if norm > 0 else {}
+
+
+def may_admit(
+    workload: str,
+    used: Mapping[str, float],
+    quota: Mapping[str, float],
+    waiting: set[str],
+) -> bool:
+    """Whether `workload` may take more KV now.
+
+    Within its quota it always may. Beyond it, it borrows, and only while no *other* workload
+    with pending sessions (`waiting`) is below its own quota: once one is, lending stops and the
+    borrowed capacity returns to it as the borrower's sessions finish.
+    """
+    if used.get(workload, 0.0) < quota.get(workload, 0.0):
+        return True
+    return not any(
+        v != workload and used.get(v, 0.0) < quota.get(v, 0.0) for v in waiting
+    )

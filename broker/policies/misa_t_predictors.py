@@ -1,0 +1,144 @@
+"""MISA-T's online predictors: what a real broker can learn from completions and heartbeats.
+
+Everything here is fed only by `Completion` records, heartbeat progress and a session's public
+fields (its caps). Nothing reads a simulator's truth: the oracle swaps the length predictor for
+a lookup it is *given*, and that is the only side channel (see oracle.py).
+
+- `TailWindow`: the last `size` samples of one quantity, kept sorted, with quantiles and the
+  conditional tail the ledger charges by: "a session that has produced x tokens will end at
+  the q-quantile of the lengths seen above x" (E[len | len > x] style, as a quantile so one
+  rare monster does not set everyone's charge). Until `min_samples` arrive it answers from a
+  conservative prior (the cap).
+- `WorkloadModel`: per workload, the windows the policy needs — output per turn, final context
+  of multi-turn sessions, tool wait per gap — and K_w, the mean KV·token-seconds per session.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right, insort
+from collections import deque
+from dataclasses import dataclass
+
+from broker.policies.base import Completion
+
+
+class TailWindow:
+    """A sliding window of the latest samples, sorted for O(log n) quantile queries.
+
+    Invariant: `sorted` holds exactly the values of `recent` (a multiset), in order.
+    """
+
+    __slots__ = ("size", "min_samples", "prior", "recent", "sorted")
+
+    def __init__(self, size: int, min_samples: int, prior: float) -> None:
+        self.size = size
+        self.min_samples = min_samples
+        self.prior = prior  # answer for every query while the window is too small
+        self.recent: deque[float] = deque()
+        self.sorted: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.recent)
+
+    @property
+    def warm(self) -> bool:
+        return len(self.recent) >= self.min_samples
+
+    def add(self, value: float) -> None:
+        self.recent.append(value)
+        insort(self.sorted, value)
+        if len(self.recent) > self.size:
+            old = self.recent.popleft()
+            del self.sorted[bisect_right(self.sorted, old) - 1]
+
+    def quantile(self, q: float) -> float:
+        if not self.warm:
+            return self.prior
+        s = self.sorted
+        return s[min(len(s) - 1, int(q * len(s)))]
+
+    def tail_quantile(self, x: float, q: float) -> float:
+        """The q-quantile of the samples above x: where a session past x is expected to end.
+
+        With fewer than `min_samples` samples above x the window knows nothing about that
+        tail; the answer is then the prior (the cap), the conservative end.
+        """
+        if not self.warm:
+            return max(self.prior, x)
+        s = self.sorted
+        lo = bisect_right(s, x)
+        above = len(s) - lo
+        if above < self.min_samples:
+            return max(self.prior, x)
+        return s[lo + min(above - 1, int(q * above))]
+
+    def tail_mean(self, x: float) -> float:
+        """E[v − x | v > x]: how much longer something that has lasted x is expected to last."""
+        if not self.warm:
+            return self.prior
+        s = self.sorted
+        lo = bisect_right(s, x)
+        if lo == len(s):
+            return self.prior
+        tail = s[lo:]
+        return sum(tail) / len(tail) - x
+
+    def mean(self) -> float:
+        if not self.warm:
+            return self.prior
+        return sum(self.recent) / len(self.recent)
+
+
+@dataclass(frozen=True, slots=True)
+class PredictorParams:
+    window: int = 512  # samples kept per quantity: recent enough to follow a length curriculum
+    min_samples: int = 16  # below this a window answers with its prior
+    prior_tool_wait_s: float = 2.0  # seconds per gap before any agentic completion (order of [TL3])
+    prior_decode_tok_s: float = 40.0  # per-stream decode speed for the K_w prior (≈24 ms/token [G3])
+
+
+class WorkloadModel:
+    """What MISA-T knows about one workload, learned from its completions."""
+
+    def __init__(self, max_tokens: int, max_turns: int, params: PredictorParams) -> None:
+        p = params
+        self.max_tokens = max_tokens
+        self.max_turns = max_turns
+        self.turn_output = TailWindow(p.window, p.min_samples, float(max_tokens))
+        self.turns = TailWindow(p.window, p.min_samples, float(max_turns))
+        self.tool_wait = TailWindow(p.window, p.min_samples, p.prior_tool_wait_s)
+        self.kv_seconds = TailWindow(p.window, p.min_samples, 0.0)
+        self.decode_tok_s = p.prior_decode_tok_s
+        self.prompt_mean = 0.0  # EWMA of first-turn prompt tokens (for the K_w prior)
+        self.completions = 0
+
+    def note_prompt(self, prompt_tokens: int) -> None:
+        if self.prompt_mean == 0.0:
+            self.prompt_mean = float(prompt_tokens)
+        else:
+            self.prompt_mean += 0.05 * (prompt_tokens - self.prompt_mean)
+
+    def observe(self, c: Completion) -> None:
+        self.completions += 1
+        for n in c.turn_output_tokens:
+            self.turn_output.add(float(n))
+        self.turns.add(float(c.turns))
+        if c.turns > 1:
+            self.tool_wait.add(c.tool_wait_s / (c.turns - 1))
+        self.kv_seconds.add(c.kv_token_seconds)
+
+    def kv_seconds_per_session(self) -> float:
+        """K_w: mean KV·token-seconds a session of this workload holds over its residency.
+
+        Before enough completions, a prior from the caps: a stream decoding L tokens at r tok/s
+        after a p-token prompt holds (p·L + L²/2)/r token-seconds per turn; multi-turn sessions
+        hold their growing history across turns and tool waits, counted here as turns × that.
+        """
+        if self.kv_seconds.warm:
+            return self.kv_seconds.mean()
+        length = self.turn_output.quantile(0.5)
+        turns = self.turns.quantile(0.5)
+        prompt = self.prompt_mean
+        per_turn = (prompt * length + length * length / 2.0) / self.decode_tok_s
+        history = prompt + turns * length
+        return turns * per_turn + (turns - 1) * history * self.tool_wait.quantile(0.5)

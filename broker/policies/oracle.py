@@ -1,0 +1,48 @@
+"""oracle: MISA-T with its output-length predictor replaced by the true lengths — an UPPER
+REFERENCE, not a policy anyone can deploy.
+
+Everything else (accounting, AIMD α, workload shares, placement) is MISA-T's own code; the only
+difference is where an output length comes from. The bench passes `true_output_lengths`, a
+function session_id → true per-turn output lengths, and that function is the oracle's only
+side channel: it still sees the world through `Snapshot` like any other policy. Tool waits,
+observations and turn counts stay predicted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from broker.policies import register
+from broker.policies.base import PendingItem, ResidentSession
+from broker.policies.misa_t import MisaT
+
+
+@register
+class Oracle(MisaT):
+    name = "oracle"
+
+    def __init__(
+        self, true_output_lengths: Callable[[str], tuple[int, ...]], **params: Any
+    ) -> None:
+        super().__init__(**params)
+        self._lengths = true_output_lengths
+
+    def _true(self, session_id: str, turn_index: int) -> int | None:
+        lengths = self._lengths(session_id)
+        return lengths[turn_index] if 0 <= turn_index < len(lengths) else None
+
+    def admission_output(self, item: PendingItem) -> float:
+        n = self._true(item.session_id, item.turn)
+        return float(n) if n is not None else super().admission_output(item)
+
+    def turn_output(self, session: ResidentSession, turn_index: int, progress: int) -> float:
+        n = self._true(session.session_id, turn_index)
+        if n is None:
+            return super().turn_output(session, turn_index, progress)
+        return float(max(n, progress + 1))
+
+    def admission_output_for(self, s: ResidentSession) -> float:
+        """A parked session's next turn: its true length (turn numbers count from 1)."""
+        n = self._true(s.session_id, s.turn)
+        return float(n) if n is not None else super().admission_output_for(s)

@@ -1,0 +1,131 @@
+"""`rollout-broker bench`: every policy on one scenario, same seed, side by side (DESIGN §6).
+
+Each policy runs in its own `FleetSim` over the same generated (or replayed) sessions. Two
+names are built here rather than in the registry, because they need the simulator:
+- `cache_aware_swept` — the paper's sweep-tuned vLLM Router: `cache_aware` over the parameter
+  grid of `cache_aware_grid()` on a shortened copy of the scenario (`sweep_iterations`
+  iterations), then the best setting by rollout throughput on the full scenario;
+- `oracle` — the registry's oracle policy fed the simulator's true output lengths: an upper
+  reference, never a deployable policy.
+The JSON holds only simulated quantities, so the same scenario and seed give the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from broker.policies import make_policy, policy_names
+from sim.fleet import FleetResult, FleetSim
+from sim.scenario import Scenario, load_scenario, parse_scenario
+from sim.workloads.source import make_source
+
+SWEPT = "cache_aware_swept"
+ORACLE = "oracle"
+BASELINES = ("round_robin", "least_loaded", "power_of_two", "cache_aware", SWEPT)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One simulation: a policy name with its parameters on a (possibly shortened) scenario."""
+
+    policy: str
+    params: tuple[tuple[str, Any], ...] = ()
+    iterations: int | None = None  # override the scenario's (sweeps run short)
+
+
+def known_policies() -> list[str]:
+    return sorted({*policy_names(), SWEPT})
+
+
+def check_policies(names: Sequence[str]) -> None:
+    known = known_policies()
+    for n in names:
+        if n not in known:
+            raise ValueError(f"policies: unknown policy {n!r}; known: {', '.join(known)}")
+
+
+def with_overrides(scenario: Scenario, seed: int | None, iterations: int | None) -> Scenario:
+    data = scenario.model_dump(mode="python")
+    if seed is not None:
+        data["seed"] = seed
+    if iterations is not None:
+        data["trainer"]["iterations"] = iterations
+    return parse_scenario(data, origin=scenario.name)
+
+
+def run_one(scenario_path: str, seed: int | None, spec: RunSpec,
+            on_iteration: Callable[[int], None] | None = None) -> FleetResult:
+    """Simulate one policy on the scenario (in this process)."""
+    scenario = with_overrides(load_scenario(scenario_path), seed, spec.iterations)
+    source = make_source(scenario, scenario_path)
+    sim = FleetSim(scenario, None, source,
+                   on_iteration=(lambda it: on_iteration(it.index + 1)) if on_iteration else None)
+    params = dict(spec.params)
+    if spec.policy == ORACLE:
+        params["true_output_lengths"] = sim.true_output_lengths
+    sim.policy = make_policy(spec.policy, **params)
+    return sim.run()
+
+
+def _run_in_worker(args: tuple[str, int | None, RunSpec]) -> FleetResult:
+    return run_one(*args)
+
+
+def run_many(scenario_path: str, seed: int | None, specs: Sequence[RunSpec], jobs: int,
+             on_done: Callable[[RunSpec, FleetResult], None] | None = None) -> list[FleetResult]:
+    """Run the specs, in parallel processes when jobs > 1; results in the order given."""
+    if jobs <= 1:
+        out = []
+        for spec in specs:
+            res = run_one(scenario_path, seed, spec)
+            if on_done:
+                on_done(spec, res)
+            out.append(res)
+        return out
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(_run_in_worker, (scenario_path, seed, s)) for s in specs]
+        out = []
+        for spec, fut in zip(specs, futures):
+            res = fut.result()
+            if on_done:
+                on_done(spec, res)
+            out.append(res)
+        return out
+
+
+def sweep_cache_aware(scenario_path: str, seed: int | None, sweep_iterations: int, jobs: int,
+                      on_done: Callable[[RunSpec, FleetResult], None] | None = None,
+                      ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The grid on a shortened run; returns (best params, every point's throughput)."""
+    from broker.policies.cache_aware import cache_aware_grid
+
+    specs = [RunSpec("cache_aware", tuple(sorted(p.items())), sweep_iterations) for p in cache_aware_grid()]
+    results = run_many(scenario_path, seed, specs, jobs, on_done)
+    points = [{"params": dict(s.params), "tokens_per_s": r.metrics.tokens_per_s}
+              for s, r in zip(specs, results)]
+    best = max(points, key=lambda p: (p["tokens_per_s"], -specs[points.index(p)].params.__len__()))
+    return best["params"], points
+
+
+def result_json(result: FleetResult, params: dict[str, Any]) -> dict[str, Any]:
+    m = asdict(result.metrics)
+    m["drift_per_iteration"] = list(m["drift_per_iteration"])
+    return {
+        "metrics": m,
+        "params": {k: v for k, v in params.items() if k != "true_output_lengths"},
+        "completed": result.completed,
+        "iterations_done": len(result.iterations),
+        "sim_time_s": result.sim_time_s,
+        "decide_calls": result.decide_calls,
+        "sessions_finished": len(result.sessions),
+        "engines": [asdict(e) for e in result.engines],
+    }
+
+
+def write_json(path: str | Path, report: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")

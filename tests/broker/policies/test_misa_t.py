@@ -1,0 +1,338 @@
+"""MISA-T mechanisms, each in isolation on tiny hand-built snapshots."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import broker.policies.base as base
+from broker.policies import make_policy
+from broker.policies.base import (
+    BackendView,
+    Completion,
+    PendingItem,
+    ResidentSession,
+    Snapshot,
+    Telemetry,
+)
+from broker.policies.misa_t import MisaT
+from broker.policies.misa_t_control import AimdParams, may_admit, shares
+from broker.policies.misa_t_predictors import TailWindow
+from broker.policies.misa_t_prefix import PrefixIndex, prefix_key
+
+CAP = 100_000
+
+
+def pending(sid, *, workload="rlhf", prompt=100, max_tokens=1000, group=None, size=1,
+            prefix=None, max_turns=1, turn=0, home=None, at=0.0) -> PendingItem:
+    return PendingItem(
+        session_id=sid, workload=workload, group_id=group, group_size=size,
+        prompt_tokens=prompt, prefix=prefix if prefix is not None else tuple(range(prompt)),
+        max_tokens=max_tokens, max_turns=max_turns, turn=turn, home_backend=home, enqueued_at=at,
+    )
+
+
+def resident(sid, *, workload="rlhf", reserved=1000, prompt=100, context=100, generated=0,
+             turn=1, max_tokens=1000, max_turns=1, parked=False) -> ResidentSession:
+    return ResidentSession(
+        session_id=sid, workload=workload, group_id=None, reserved_tokens=reserved,
+        prompt_tokens=prompt, context_tokens=context, generated_tokens=generated, turn=turn,
+        max_tokens=max_tokens, max_turns=max_turns, waiting_on_tool=parked, admitted_at=0.0,
+    )
+
+
+def hb(at, *, usage=0.5, waiting=0, preemptions=0) -> Telemetry:
+    return Telemetry(at=at, kv_usage=usage, running=1, waiting=waiting,
+                     preemptions_total=preemptions, prefix_queries_total=0, prefix_hits_total=0)
+
+
+def view(bid, *sessions, alpha=1.0, telemetry=None, capacity=CAP) -> BackendView:
+    return BackendView(backend_id=bid, capacity_tokens=capacity, max_model_len=capacity,
+                       healthy=True, alpha=alpha, telemetry=telemetry, sessions=tuple(sessions))
+
+
+def snap(backends, items=(), *, now=0.0, target=None, consumed=None, done=()) -> Snapshot:
+    by_w: dict[str, list[PendingItem]] = {}
+    for it in items:
+        by_w.setdefault(it.workload, []).append(it)
+    return Snapshot(now=now, pending={w: tuple(v) for w, v in by_w.items()},
+                    backends=tuple(backends), mixture_target=target or {"rlhf": 1.0},
+                    consumed=consumed or {}, new_completions=tuple(done))
+
+
+def completion(sid, *, workload="rlhf", out=500, turns=1, tool_wait=0.0, kv_s=1e5) -> Completion:
+    return Completion(session_id=sid, workload=workload, backend_id="a", prompt_tokens=100,
+                      output_tokens=out * turns, turn_output_tokens=(out,) * turns, turns=turns,
+                      tool_wait_s=tool_wait, kv_token_seconds=kv_s, admitted_at=0.0,
+                      finished_at=1.0, truncated=False)
+
+
+# -- adaptive admission (AIMD) ---------------------------------------------------------------
+
+def test_aimd_backs_off_on_a_preemption() -> None:
+    policy = make_policy("misa_t")
+    full = resident("r", reserved=95_000)
+    policy.decide(snap([view("a", full, telemetry=hb(1.0, preemptions=3))]))
+    before = policy.alpha["a"]
+    d = policy.decide(snap([view("a", full, alpha=before, telemetry=hb(2.0, preemptions=4))]))
+    assert d.alpha["a"] == pytest.approx(before * AimdParams().backoff_preempt)
+
+
+def test_aimd_grows_only_while_alpha_binds_usage_is_low_and_work_waits() -> None:
+    p = AimdParams()
+    low = hb(2.0, usage=0.5)
+    assert p.step(1.0, low, hb(1.0), work_pending=True, reserved=95_000, capacity=CAP) == pytest.approx(1.0 + p.increase)
+    assert p.step(1.0, low, hb(1.0), work_pending=False, reserved=95_000, capacity=CAP) == 1.0
+    assert p.step(1.0, low, hb(1.0), work_pending=True, reserved=10_000, capacity=CAP) == 1.0
+    hot = hb(2.0, usage=0.97)
+    assert p.step(1.0, hot, hb(1.0), work_pending=True, reserved=95_000, capacity=CAP) == pytest.approx(p.backoff_high)
+    queue = hb(2.0, waiting=9)
+    assert p.step(1.0, queue, hb(1.0, waiting=5), work_pending=True, reserved=0, capacity=CAP) == pytest.approx(p.backoff_waiting)
+    assert p.step(p.alpha_min, queue, hb(1.0, waiting=5), work_pending=True, reserved=0, capacity=CAP) == p.alpha_min
+
+
+def test_alpha_overbooks_past_one_when_predictions_prove_conservative() -> None:
+    policy = make_policy("misa_t", residency_accounting=False)  # static charges of 1,100
+    residents = [resident("r", reserved=99_000)]
+    items = [pending(f"p{i}", at=float(i)) for i in range(100)]
+    alpha = 1.0
+    for t in range(1, 12):  # the engine reports 30% usage throughout: the charges are too high
+        d = policy.decide(snap([view("a", *residents, alpha=alpha, telemetry=hb(float(t), usage=0.3))],
+                               items))
+        alpha = d.alpha.get("a", alpha)
+        residents += [resident(a.session_id, reserved=a.reserved_tokens) for a in d.admissions]
+        items = items[len(d.admissions):]
+    assert alpha > 1.2
+    assert sum(r.reserved_tokens for r in residents) > CAP
+    d = make_policy("misa_t-admission", residency_accounting=False).decide(
+        snap([view("a", *residents, alpha=1.3, telemetry=hb(1.0, usage=0.3))], items))
+    assert d.alpha == {"a": 1.0} and d.admissions == []
+
+
+def test_admits_only_while_reservations_fit_alpha_times_capacity() -> None:
+    policy = make_policy("misa_t-residency")  # static charge prompt + max_tokens = 1,100
+    items = [pending(f"s{i}", at=float(i)) for i in range(200)]
+    d = policy.decide(snap([view("a", alpha=0.5, capacity=10_000)], items))
+    assert len(d.admissions) == 4  # 4 × 1,100 ≤ 5,000 < 5 × 1,100
+    assert sum(a.reserved_tokens for a in d.admissions) <= 5_000
+
+
+# -- residency-time-aware accounting --------------------------------------------------------
+
+def test_charge_follows_the_tail_given_progress() -> None:
+    policy = make_policy("misa_t")
+    policy.decide(snap([view("a")], [pending("warm")]))
+    lengths = [100] * 80 + [4000] * 20  # most stop at 100; those past 100 go to 4,000
+    policy.decide(snap([view("a")], done=[completion(f"c{i}", out=n) for i, n in enumerate(lengths)]))
+    item_charge = policy.decide(snap([view("a")], [pending("new")])).admissions[0].reserved_tokens
+    assert item_charge == 100 + 1000  # q90 of the window is 4,000, capped at max_tokens 1,000
+    young = resident("young", generated=50, reserved=item_charge)
+    old = resident("old", generated=150, reserved=item_charge)
+    d = policy.decide(snap([view("a", young, old, telemetry=hb(1.0))]))
+    assert "young" not in d.recharge  # still expected to end at the cap's charge
+    assert d.recharge.get("old", item_charge) == 100 + 1000
+    policy2 = make_policy("misa_t", length_quantile=0.5)
+    policy2.decide(snap([view("a")], [pending("warm", max_tokens=8000)]))
+    policy2.decide(snap([view("a")], done=[completion(f"c{i}", out=n) for i, n in enumerate(lengths)]))
+    young = resident("young", generated=50, reserved=9999, max_tokens=8000)
+    old = resident("old", generated=150, reserved=9999, max_tokens=8000)
+    d = policy2.decide(snap([view("a", young, old, telemetry=hb(1.0))]))
+    assert d.recharge["young"] == 100 + 100  # median of the lengths above 50
+    assert d.recharge["old"] == 100 + 4000  # everyone past 100 went to 4,000
+
+
+def _parked(history: int) -> ResidentSession:
+    return resident("ag", workload="agentic", reserved=history, prompt=3000, context=history,
+                    generated=history - 3000, turn=3, max_tokens=4096, max_turns=50, parked=True)
+
+
+def _agentic_policy(tool_wait_per_gap: float) -> MisaT:
+    policy = make_policy("misa_t")
+    policy.decide(snap([view("a")], [pending("w", workload="agentic", max_tokens=4096, max_turns=50)],
+                       target={"agentic": 1.0}))
+    done = [completion(f"c{i}", workload="agentic", out=300, turns=11,
+                       tool_wait=10 * tool_wait_per_gap) for i in range(40)]
+    policy.decide(snap([view("a")], done=done, target={"agentic": 1.0}))
+    return policy
+
+
+def test_parked_agentic_session_stays_charged_while_holding_is_cheaper() -> None:
+    policy = _agentic_policy(tool_wait_per_gap=0.5)  # short tools: hold
+    d = policy.decide(snap([view("a", _parked(20_000), telemetry=hb(1.0, usage=0.6))],
+                           target={"agentic": 1.0}))
+    assert d.recharge.get("ag", 20_000) >= 20_000
+
+
+def test_parked_agentic_session_is_released_when_re_prefill_is_cheaper() -> None:
+    policy = _agentic_policy(tool_wait_per_gap=600.0)  # ten-minute test runs: release
+    d = policy.decide(snap([view("a", _parked(20_000), telemetry=hb(1.0, usage=0.6))],
+                           target={"agentic": 1.0}))
+    assert d.recharge["ag"] == 0
+
+
+def test_hold_breaks_even_where_wait_times_history_meets_prefill_price() -> None:
+    policy = _agentic_policy(tool_wait_per_gap=5.0)
+    v = view("a", telemetry=hb(1.0, usage=0.5))
+    # Re-prefilling H tokens costs (15 µs·H + 2.6 ns·H²/2) of engine time × 50,000 resident KV;
+    # holding costs H × 5 s. Break-even near H = 250k/… : short histories are cheap to redo.
+    assert not policy.hold_is_cheaper("agentic", 1_000, 0.0, v)
+    assert policy.hold_is_cheaper("agentic", 60_000, 0.0, v)
+
+
+def test_residency_ablation_charges_the_cap_once_and_never_recharges() -> None:
+    policy = make_policy("misa_t-residency")
+    d = policy.decide(snap([view("a")], [pending("s")]))
+    assert d.admissions[0].reserved_tokens == 1100
+    d = policy.decide(snap([view("a", resident("s", reserved=1100, generated=900), telemetry=hb(1.0))]))
+    assert d.recharge == {}
+
+
+# -- workload-aware allocation ---------------------------------------------------------------
+
+def test_shares_follow_pi_times_kv_seconds_with_a_bounded_deficit_boost() -> None:
+    s = shares({"a": 0.5, "b": 0.5}, {"a": 3.0, "b": 1.0}, {}, 1.0)
+    assert s == pytest.approx({"a": 0.75, "b": 0.25})
+    s = shares({"a": 0.5, "b": 0.5}, {"a": 1.0, "b": 1.0}, {"a": 30, "b": 70}, 1.0)
+    assert s["a"] > 0.5  # a was consumed below target: it gets more
+    s = shares({"a": 0.5, "b": 0.5}, {"a": 1.0, "b": 1.0}, {"a": 0, "b": 100}, 10.0)
+    assert s["a"] == pytest.approx(2 / 2.5)  # clamped to ×2 against ×0.5
+
+
+def test_may_admit_lends_idle_share_and_stops_lending_when_the_owner_waits() -> None:
+    quota = {"a": 50.0, "b": 50.0}
+    assert may_admit("a", {"a": 80.0}, quota, waiting={"a"})  # b idle: a borrows
+    assert not may_admit("a", {"a": 80.0, "b": 10.0}, quota, waiting={"a", "b"})
+    assert may_admit("b", {"a": 80.0, "b": 10.0}, quota, waiting={"a", "b"})
+    assert may_admit("a", {"a": 80.0, "b": 60.0}, quota, waiting={"a", "b"})  # b is served
+
+
+def _two_workload_snap(residents, items, *, capacity=10_000):
+    return snap([view("a", *residents, capacity=capacity)], items, target={"x": 0.5, "y": 0.5})
+
+
+def test_borrowed_share_is_reclaimed_only_as_borrowers_finish() -> None:
+    policy = make_policy("misa_t-residency", adaptive_admission=False)  # charge 1,100 each
+    xs = [pending(f"x{i}", workload="x", at=float(i)) for i in range(20)]
+    d = policy.decide(_two_workload_snap([], xs))
+    assert len(d.admissions) == 9  # y idle: x borrows the whole backend (9 × 1,100 ≤ 10,000)
+    borrowed = [resident(a.session_id, workload="x", reserved=a.reserved_tokens) for a in d.admissions]
+    ys = [pending(f"y{i}", workload="y", max_tokens=1000, at=float(i)) for i in range(20)]
+    # y now waits, below its quota: x may not admit more, and nothing of x's is taken back.
+    d = policy.decide(_two_workload_snap(borrowed, xs[9:] + ys))
+    assert d.admissions == [] and d.recharge == {}
+    # Three borrowers finish: the freed room goes to y, not to x.
+    d = policy.decide(_two_workload_snap(borrowed[3:], xs[9:] + ys))
+    assert [a.session_id for a in d.admissions] == ["y0", "y1", "y2"]
+
+
+def test_allocation_ablation_admits_oldest_first_across_workloads() -> None:
+    policy = make_policy("misa_t-allocation", residency_accounting=False, adaptive_admission=False)
+    items = [pending("y0", workload="y", at=0.0), pending("x0", workload="x", at=1.0),
+             pending("y1", workload="y", at=2.0)]
+    d = policy.decide(_two_workload_snap([], items, capacity=2300))
+    assert [a.session_id for a in d.admissions] == ["y0", "x0"]
+
+
+# -- placement -------------------------------------------------------------------------------
+
+def test_grpo_group_lands_on_one_backend() -> None:
+    policy = make_policy("misa_t")
+    group = [pending(f"g-{i}", workload="rlvr", group="g", size=8, prompt=160) for i in range(8)]
+    d = policy.decide(snap([view("a"), view("b"), view("c")], group, target={"rlvr": 1.0}))
+    assert len(d.admissions) == 8
+    assert len({a.backend_id for a in d.admissions}) == 1
+
+
+def test_group_that_fits_nowhere_whole_is_split_rather_than_left_waiting() -> None:
+    policy = make_policy("misa_t-residency", adaptive_admission=False)
+    group = [pending(f"g-{i}", workload="rlvr", group="g", size=4, prompt=160) for i in range(4)]
+    # Each member charges 1,160; each backend has room for two.
+    d = policy.decide(snap([view("a", capacity=2400), view("b", capacity=2400)], group,
+                           target={"rlvr": 1.0}))
+    assert sorted(a.backend_id for a in d.admissions) == ["a", "a", "b", "b"]
+
+
+def test_new_session_follows_its_cached_prefix_and_followups_stay_home() -> None:
+    policy = make_policy("misa_t")
+    system = tuple(range(5000, 8000))
+    first = pending("s1", workload="agentic", prompt=3200, prefix=system + tuple(range(200)),
+                    max_tokens=4096, max_turns=50)
+    d = policy.decide(snap([view("a"), view("b")], [first], target={"agentic": 1.0}))
+    home = d.admissions[0].backend_id
+    other = "b" if home == "a" else "a"
+    second = pending("s2", workload="agentic", prompt=3200, prefix=system + tuple(range(300, 500)),
+                     max_tokens=4096, max_turns=50)
+    r = resident("s1", workload="agentic", reserved=d.admissions[0].reserved_tokens)
+    backends = [view(home, r) if home == "a" else view("a"), view(home, r) if home == "b" else view("b")]
+    d = policy.decide(snap(backends, [second], target={"agentic": 1.0}))
+    assert d.admissions[0].backend_id == home  # 3,000 shared tokens cached there
+    follow = pending("s1", workload="agentic", prompt=9000, max_tokens=4096, max_turns=50,
+                     turn=4, home=other)
+    d = policy.decide(snap([view("a"), view("b")], [follow], target={"agentic": 1.0}))
+    assert [(a.session_id, a.backend_id) for a in d.admissions] == [("s1", other)]
+
+
+def test_prefix_index_matches_by_landmark_and_forgets_after_a_cache_of_churn() -> None:
+    index = PrefixIndex()
+    index.sync_backend("a", 1000)
+    key = prefix_key(tuple(range(400)))  # 25 blocks: landmarks 1, 2, 4, 8, 16, 25
+    assert key.tokens == (16, 32, 64, 128, 256, 400)
+    index.insert(key, "a", 400)
+    assert index.match(key, "a") == 400
+    assert index.match(prefix_key(tuple(range(300)) + (9,) * 100), "a") == 256
+    index.insert(prefix_key((7,) * 64), "a", 1001)
+    assert index.match(key, "a") == 0
+
+
+def test_tail_window_is_a_sliding_sorted_multiset() -> None:
+    w = TailWindow(size=4, min_samples=2, prior=99.0)
+    assert w.quantile(0.5) == 99.0
+    for v in (5, 1, 3, 3, 8):
+        w.add(v)
+    assert w.sorted == [1, 3, 3, 8]
+    assert w.tail_quantile(3, 0.5) == 99.0  # one sample above 3: the prior answers
+    assert w.tail_quantile(0, 0.9) == 8
+
+
+# -- no hidden fields ------------------------------------------------------------------------
+
+def test_no_policy_module_can_reach_the_simulators_truth() -> None:
+    package = Path(base.__file__).parent
+    for path in package.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for name in names:
+                assert not name.startswith("sim"), f"{path.name} imports {name}"
+    truth_fields = {"output_tokens", "truncated", "tool_latency_s", "observation_tokens",
+                    "final_latency_s", "token_seed", "truth", "output_len", "stop_len"}
+    for cls in (PendingItem, ResidentSession, BackendView, Telemetry, Snapshot):
+        leaked = truth_fields & {f.name for f in dataclasses.fields(cls)}
+        assert not leaked, f"{cls.__name__} carries {leaked}"
+
+
+def test_oracle_differs_from_misa_t_only_by_the_lengths_it_is_given() -> None:
+    oracle = make_policy("oracle", true_output_lengths=lambda sid: (321,))
+    d = oracle.decide(snap([view("a")], [pending("s")]))
+    assert d.admissions[0].reserved_tokens == 100 + 321
+    d = make_policy("misa_t").decide(snap([view("a")], [pending("s")]))
+    assert d.admissions[0].reserved_tokens == 100 + 1000  # the cap, before any completion
+
+
+def test_ablations_are_misa_t_with_one_switch_off() -> None:
+    for name, switch in (("misa_t-admission", "adaptive_admission"),
+                         ("misa_t-allocation", "workload_allocation"),
+                         ("misa_t-residency", "residency_accounting")):
+        policy = make_policy(name)
+        assert isinstance(policy, MisaT) and policy.name == name
+        assert getattr(policy.config, switch) is False
+        others = {f.name for f in dataclasses.fields(policy.config)} - {switch}
+        default = MisaT().config
+        assert all(getattr(policy.config, o) == getattr(default, o) for o in others)

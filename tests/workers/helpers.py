@@ -1,0 +1,77 @@
+"""Shared helpers for the worker tests: a Worker on its own event loop in a thread, sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+
+from broker.session import Session
+from workers.engine import parse_metrics
+from workers.runner import RunnerSettings
+from workers.tools import InlineExecutor
+from workers.worker import Worker, WorkerSettings
+
+
+class WorkerThread:
+    def __init__(self, redis_url: str, namespace: str, backend_id: str, engine_url: str,
+                 time_scale: float = 200.0, **settings) -> None:
+        self.worker = Worker(WorkerSettings(backend_id=backend_id, redis_url=redis_url,
+                                            namespace=namespace, heartbeat_s=0.2,
+                                            runner=RunnerSettings(time_scale=time_scale),
+                                            **settings),
+                             engine_url, InlineExecutor(timeout_s=10.0))
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._ready.set()
+        try:
+            await self.worker.run(self._stop)
+        finally:
+            await self.worker.tools.aclose()
+
+    def start(self) -> WorkerThread:
+        self.thread.start()
+        self._ready.wait(10)
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self.thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "worker thread did not stop"
+
+
+def generation_tokens(engine_url: str) -> int:
+    return parse_metrics(httpx.get(f"{engine_url}/metrics").text).generation_tokens_total
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 30000 + 1 for i in range(n)]
+
+
+def mixed_sessions(n_groups: int, prefix: str = "") -> list[Session]:
+    """Groups of all three workloads with short outputs; agentic prompts are unique per session
+    (so any cache hit they show comes from their own earlier turns)."""
+    out: list[Session] = []
+    for g in range(n_groups):
+        shared = prompt(g, 200)
+        for m in range(4):
+            out.append(Session(session_id=f"{prefix}rlvr-{g}-{m}", workload="rlvr",
+                               group_id=f"{prefix}rlvr-{g}", group_size=4, prompt_token_ids=shared,
+                               max_tokens=48))
+        for m in range(2):
+            out.append(Session(session_id=f"{prefix}rlhf-{g}-{m}", workload="rlhf",
+                               group_id=f"{prefix}rlhf-{g}", group_size=2,
+                               prompt_token_ids=prompt(1000 + g, 120), max_tokens=32))
+        out.append(Session(session_id=f"{prefix}agentic-{g}", workload="agentic",
+                           prompt_token_ids=prompt(5000 + g, 300), max_tokens=24, max_turns=3,
+                           metadata={"sim_turns": 3, "sim_tool_latency_s": "1,1",
+                                     "sim_observation_tokens": "40,40"}))
+    return out

@@ -1,0 +1,70 @@
+"""SIGTERM drains a worker: short sessions finish, long ones are handed back and run elsewhere."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from broker.client import RolloutClient
+from broker.keys import Keys
+from broker.policies import make_policy
+from broker.session import Session, SessionState
+from tests.broker.helpers import BrokerThread, wait_until
+from tests.workers.helpers import prompt
+from tests.workers.test_kill9 import start_worker
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_sigterm_finishes_what_it_can_and_hands_back_the_rest(redis_url, namespace, redis_client):
+    k = Keys(namespace)
+    short = [Session(session_id=f"short-{i}", workload="rlhf", prompt_token_ids=prompt(i, 64),
+                     max_tokens=8, metadata={"sim_output_tokens": "8"}) for i in range(10)]
+    # Held by a tool that sleeps 1,000 simulated seconds (20 s of wall time at ×50): past the
+    # 5 s drain grace. The second worker runs at ×100,000, so the same tool takes 10 ms there.
+    long = [Session(session_id=f"long-{i}", workload="agentic", prompt_token_ids=prompt(100 + i, 64),
+                    max_tokens=8, max_turns=2,
+                    metadata={"sim_turns": 2, "sim_tool_latency_s": "1000",
+                              "sim_observation_tokens": "8"}) for i in range(6)]
+    procs = {"w0": start_worker(redis_url, namespace, "w0")}
+    broker = BrokerThread(redis_url, namespace, make_policy("least_loaded"), lease_s=1.0).start()
+    client = RolloutClient(redis_url, namespace)
+    got: list = []
+    try:
+        assert wait_until(lambda: client.status()["backends"].get("w0", {}).get("healthy"),
+                          timeout=60)
+        client.enqueue(short + long)
+        assert wait_until(lambda: got.extend(client.results(20, timeout=0.2)) or len(got) >= 10,
+                          timeout=30, every=0)
+        assert wait_until(lambda: redis_client.hlen(k.ledger_sessions("w0")) == len(long))
+        t0 = time.monotonic()
+        procs["w0"].send_signal(signal.SIGTERM)
+        assert procs["w0"].wait(timeout=30) == 0
+        drained_s = time.monotonic() - t0
+        # handed back at once (withdraw), not after the heartbeat TTL: pending again
+        assert wait_until(lambda: sum(client.status()["pending"].values()) == len(long),
+                          timeout=10)
+        assert redis_client.hlen(k.ledger_sessions("w0")) == 0
+        procs["w1"] = start_worker(redis_url, namespace, "w1", tool_time_scale="100000")
+        assert wait_until(lambda: got.extend(client.results(20, timeout=0.3)) or len(got) >= 16,
+                          timeout=60, every=0)
+        client.ack()
+    finally:
+        broker.stop()
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=60)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        client.close()
+    assert drained_s < 20
+    assert sorted(r.session_id for r in got) == sorted(s.session_id for s in short + long)
+    assert all(r.status == SessionState.done for r in got)
+    assert {r.backend_id for r in got if r.session_id.startswith("long")} == {"w1"}
+    assert redis_client.xlen(k.results) == 16

@@ -1,0 +1,124 @@
+"""SessionRunner against the simulated engine over HTTP (in-process), tools inline."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from broker.session import Session, SessionState
+from sim.server.testing import running_engine
+from workers.engine import read_engine_info
+from workers.runner import RunnerSettings, SessionRunner
+from workers.tools import InlineExecutor
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with running_engine(profile="h100-8b", time_scale=200.0, kv_tokens=200_000) as e:
+        yield e
+
+
+def agentic(sid: str, turns: int = 4, **meta) -> Session:
+    return Session(session_id=sid, workload="agentic", prompt_token_ids=list(range(1, 400)),
+                   max_tokens=32, max_turns=turns,
+                   metadata={"sim_turns": turns, "sim_tool_latency_s": ",".join(["0.5"] * turns),
+                             **meta})
+
+
+async def run(engine_url: str, session: Session, tools=None, **settings):
+    info = read_engine_info(engine_url)
+    tools = tools or InlineExecutor(timeout_s=5.0)
+    async with httpx.AsyncClient() as http:
+        runner = SessionRunner(http, engine_url, info.model, info.max_model_len, tools,
+                               RunnerSettings(time_scale=200.0, **settings))
+        try:
+            return await runner.run(session)
+        finally:
+            await tools.aclose()
+
+
+def test_multi_turn_history_hits_the_prefix_cache_from_turn_two(engine):
+    out = asyncio.run(run(engine.url, agentic("a1", turns=4)))
+    r = out.result
+    assert r.status == SessionState.done, r.error
+    assert r.turns == 4 and len(r.output_token_ids) == 4
+    assert r.output_tokens == sum(len(t) for t in r.output_token_ids)
+    # turn k+1's prompt is turn k's prompt + output + observation: it grows, and is cached
+    prompts = [t.prompt_tokens for t in out.turns]
+    assert prompts == sorted(prompts) and prompts[0] == 399
+    for t in out.turns[1:]:
+        assert t.cached_tokens > 0
+        assert t.cached_tokens >= (prompts[0] // 16) * 16
+    assert r.cached_tokens == sum(t.cached_tokens for t in out.turns)
+    assert r.reward is not None and 0.0 <= r.reward <= 1.0
+    assert out.stats.turn_output_tokens == [len(t) for t in r.output_token_ids]
+    assert out.stats.tool_wait_s > 0
+
+
+def test_sim_output_lengths_from_metadata(engine):
+    s = agentic("a2", turns=3, sim_output_tokens="5,7,9")
+    r = asyncio.run(run(engine.url, s)).result
+    assert [len(t) for t in r.output_token_ids] == [5, 7, 9]
+
+
+def test_a_tool_that_raises_fails_the_session_with_its_reason(engine):
+    s = agentic("a3", tool="tests.workers.tools_for_tests:boom")
+    r = asyncio.run(run(engine.url, s)).result
+    assert r.status == SessionState.failed
+    assert "tool exploded on turn 0" in r.error and r.turns == 1
+
+
+def test_a_tool_that_times_out_fails_the_session(engine):
+    s = agentic("a4", tool="tests.workers.tools_for_tests:slow")
+    r = asyncio.run(run(engine.url, s, tools=InlineExecutor(timeout_s=0.3))).result
+    assert r.status == SessionState.failed and "timed out after 0.3s" in r.error
+
+
+def test_a_scorer_that_raises_fails_the_session(engine):
+    s = Session(session_id="r1", workload="rlvr", prompt_token_ids=[1, 2, 3], max_tokens=8,
+                metadata={"reward": "tests.workers.tools_for_tests:bad_scorer"})
+    r = asyncio.run(run(engine.url, s)).result
+    assert r.status == SessionState.failed and "divided by zero" in r.error
+    assert r.turns == 1 and r.output_tokens > 0
+
+
+def test_engine_5xx_is_retried_then_fails_with_the_reason():
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return httpx.Response(503, text="overloaded")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            runner = SessionRunner(http, "http://engine", "m", 1000, InlineExecutor(),
+                                   RunnerSettings(retries=2, backoff_s=0.01))
+            s = Session(session_id="x", workload="rlhf", prompt_token_ids=[1], max_tokens=4)
+            return await runner.run(s)
+
+    r = asyncio.run(go()).result
+    assert r.status == SessionState.failed
+    assert "HTTP 503" in r.error and "after 3 attempts" in r.error and len(calls) == 3
+
+
+def test_engine_4xx_fails_at_once():
+    async def go():
+        handler = lambda req: httpx.Response(400, text="bad prompt")  # noqa: E731
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            runner = SessionRunner(http, "http://engine", "m", 1000, InlineExecutor(),
+                                   RunnerSettings(retries=3, backoff_s=0.01))
+            s = Session(session_id="x", workload="rlhf", prompt_token_ids=[1], max_tokens=4)
+            return await runner.run(s)
+
+    r = asyncio.run(go()).result
+    assert r.status == SessionState.failed and "HTTP 400" in r.error
+
+
+def test_engine_info_reads_capacity_and_context(engine):
+    info = read_engine_info(engine.url)
+    assert info.capacity_tokens == 200_000 // 16 * 16
+    assert info.max_model_len > 0 and info.model == engine.model_name

@@ -1,0 +1,53 @@
+"""RqExecutor against a real `rollout-broker tools` worker: results, raised errors, timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workers.tools import RewardCall, RqExecutor, ToolCall, ToolError
+
+pytestmark = pytest.mark.timeout(90)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def call(tool: str, turn: int = 0) -> ToolCall:
+    return ToolCall(session_id="s1", workload="agentic", tool=tool, turn=turn, max_turns=3,
+                    output_token_ids=[1, 2], context_tokens=10,
+                    metadata={"sim_tool_latency_s": "0.1,0.1", "sim_observation_tokens": "7,9"},
+                    time_scale=10.0)
+
+
+def test_tools_and_rewards_through_rq(redis_url):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    worker = subprocess.Popen([sys.executable, "-m", "broker.cli", "tools", "--redis-url",
+                               redis_url], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+
+    async def go():
+        ex = RqExecutor(redis_url, timeout_s=2.0, retries=1, poll_s=0.05)
+        try:
+            ok = await ex.call_tool(call("sim", turn=1))
+            reward = await ex.score(RewardCall(session_id="s1", workload="rlvr", scorer="parity",
+                                               output_token_ids=[[2, 4, 5, 7]]))
+            with pytest.raises(ToolError, match="tool exploded") as boom:
+                await ex.call_tool(call("tests.workers.tools_for_tests:boom"))
+            with pytest.raises(ToolError, match="[Tt]imeout") as slow:
+                await ex.call_tool(call("tests.workers.tools_for_tests:slow"))
+            return ok, reward, str(boom.value), str(slow.value)
+        finally:
+            await ex.aclose()
+
+    try:
+        ok, reward, boom, slow = asyncio.run(go())
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+    assert len(ok.observation_token_ids) == 9 and ok.done is False
+    assert reward == 0.5
+    assert "rq job" in boom and "rq job" in slow

@@ -1,0 +1,209 @@
+"""Run one admitted session on the engine: its turns, its tool calls, its reward.
+
+Every turn is one `/v1/completions` call with token ids and `return_token_ids`, so the reply
+carries the generated ids and turn k+1's prompt is turn k's whole history (prompt + output ids
++ observation ids): the engine's prefix cache serves everything but the new tail. Engine 5xx,
+timeouts and broken connections are retried with exponential backoff; a 4xx or the last retry
+failing ends the session as `failed` with the reason. A tool or reward failure does the same.
+Nothing here touches Redis: the worker publishes what `run` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from broker.heartbeat import SessionProgress
+from broker.session import Session, SessionResult, SessionState
+from broker.worker_link import CompletionStats
+from workers.tools import RewardCall, ToolCall, ToolError, ToolExecutor
+
+DEFAULT_TOOL = "sim"
+DEFAULT_SCORER = "parity"
+
+
+class EngineError(RuntimeError):
+    """The engine refused a turn or kept failing after the retries; the message says why."""
+
+
+@dataclass(slots=True)
+class RunnerSettings:
+    request_timeout_s: float = 600.0  # one turn's HTTP call (a long reasoning turn is minutes)
+    retries: int = 3  # extra attempts after a 5xx / timeout / connection error
+    backoff_s: float = 0.25  # first retry delay; doubles each attempt
+    time_scale: float = 1.0  # simulated seconds per wall second, passed to simulated tools
+
+
+@dataclass(slots=True)
+class Progress:
+    """A running session's progress; the worker's heartbeat reads it, the runner writes it."""
+
+    session_id: str
+    context_tokens: int = 0
+    generated_tokens: int = 0
+    turn: int = 0
+    waiting_on_tool: bool = False
+
+    def snapshot(self) -> SessionProgress:
+        return SessionProgress(session_id=self.session_id, context_tokens=self.context_tokens,
+                               generated_tokens=self.generated_tokens, turn=self.turn,
+                               waiting_on_tool=self.waiting_on_tool)
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    prompt_tokens: int
+    output_token_ids: list[int]
+    cached_tokens: int  # usage.prompt_tokens_details.cached_tokens
+    finish_reason: str | None
+    wall_s: float
+
+
+@dataclass(slots=True)
+class Outcome:
+    result: SessionResult
+    stats: CompletionStats
+    turns: list[Turn] = field(default_factory=list)
+
+
+def _sim_output_len(session: Session, turn: int) -> int | None:
+    """A simulated session's true output length for `turn` (metadata `sim_output_tokens`)."""
+    raw = session.metadata.get("sim_output_tokens")
+    if not isinstance(raw, str) or not raw:
+        return None
+    parts = raw.split(",")
+    return int(parts[turn]) if turn < len(parts) else None
+
+
+class SessionRunner:
+    def __init__(self, http: httpx.AsyncClient, engine_url: str, model: str, max_model_len: int,
+                 tools: ToolExecutor, settings: RunnerSettings | None = None) -> None:
+        self.http = http
+        self.url = f"{engine_url.rstrip('/')}/v1/completions"
+        self.model = model
+        self.max_model_len = max_model_len
+        self.tools = tools
+        self.settings = settings or RunnerSettings()
+
+    async def complete(self, session: Session, prompt: list[int] | str, turn: int,
+                       max_tokens: int) -> tuple[Turn, list[int]]:
+        """One turn; returns it and the prompt's token ids (as the engine tokenized them)."""
+        s = session.sampling
+        body: dict = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                      "temperature": s.temperature, "top_p": s.top_p, "ignore_eos": s.ignore_eos,
+                      "return_token_ids": True,
+                      "request_id": f"{session.session_id}-t{turn}"}
+        if s.seed is not None:
+            body["seed"] = s.seed + turn
+        sim_len = _sim_output_len(session, turn)
+        if sim_len is not None:
+            body["sim_output_len"] = min(sim_len, max_tokens)
+        started = time.monotonic()
+        reply = await self._post(body)
+        choice = reply["choices"][0]
+        usage = reply.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        ids = choice.get("token_ids")
+        if ids is None:
+            raise EngineError("engine: reply has no token_ids (does it support return_token_ids?)")
+        prompt_ids = choice.get("prompt_token_ids") or (prompt if isinstance(prompt, list) else [])
+        turn_rec = Turn(prompt_tokens=int(usage.get("prompt_tokens", len(prompt_ids))),
+                        output_token_ids=list(ids), cached_tokens=int(details.get("cached_tokens") or 0),
+                        finish_reason=choice.get("finish_reason"),
+                        wall_s=time.monotonic() - started)
+        return turn_rec, list(prompt_ids)
+
+    async def _post(self, body: dict) -> dict:
+        cfg = self.settings
+        last = ""
+        for attempt in range(cfg.retries + 1):
+            if attempt:
+                await asyncio.sleep(cfg.backoff_s * 2 ** (attempt - 1))
+            try:
+                r = await self.http.post(self.url, json=body, timeout=cfg.request_timeout_s)
+            except httpx.TimeoutException:
+                last = f"timed out after {cfg.request_timeout_s:g}s"
+                continue
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                continue
+            if r.status_code < 400:
+                return r.json()
+            last = f"HTTP {r.status_code}: {r.text[:300]}"
+            if r.status_code < 500:
+                raise EngineError(f"engine: {last}")
+        raise EngineError(f"engine: {last} (after {cfg.retries + 1} attempts)")
+
+    async def run(self, session: Session, progress: Progress | None = None) -> Outcome:
+        progress = progress or Progress(session.session_id)
+        turns: list[Turn] = []
+        tool_wait = kv_seconds = 0.0
+        prompt_tokens = 0
+        reward: float | None = None
+        error: str | None = None
+        truncated = False
+        history: list[int] | str = session.prompt_token_ids or session.prompt_text or ""
+        meta = session.metadata
+        try:
+            for turn in range(session.max_turns):
+                context = len(history) if isinstance(history, list) else session.prompt_len_hint
+                max_tokens = min(session.max_tokens, self.max_model_len - context)
+                if max_tokens < 1:  # the history fills the context: the episode ends here
+                    truncated = True
+                    if turn == 0:
+                        raise EngineError(f"engine: prompt of {context} tokens leaves no room "
+                                          f"under max_model_len {self.max_model_len}")
+                    break
+                progress.turn = turn + 1
+                progress.context_tokens = context
+                rec, prompt_ids = await self.complete(session, history, turn, max_tokens)
+                turns.append(rec)
+                if turn == 0:
+                    prompt_tokens = rec.prompt_tokens
+                history = prompt_ids + rec.output_token_ids
+                progress.generated_tokens += len(rec.output_token_ids)
+                progress.context_tokens = len(history)
+                kv_seconds += len(history) * rec.wall_s
+                truncated = rec.finish_reason == "length"
+                if turn + 1 >= session.max_turns:
+                    break
+                progress.waiting_on_tool = True
+                t0 = time.monotonic()
+                outcome = await self.tools.call_tool(ToolCall(
+                    session_id=session.session_id, workload=session.workload,
+                    tool=str(meta.get("tool", DEFAULT_TOOL)), turn=turn,
+                    max_turns=session.max_turns, output_token_ids=rec.output_token_ids,
+                    context_tokens=len(history), metadata=dict(meta),
+                    time_scale=self.settings.time_scale))
+                waited = time.monotonic() - t0
+                tool_wait += waited
+                kv_seconds += len(history) * waited
+                progress.waiting_on_tool = False
+                if outcome.done:
+                    break
+                history = history + outcome.observation_token_ids
+            progress.waiting_on_tool = True
+            reward = await self.tools.score(RewardCall(
+                session_id=session.session_id, workload=session.workload,
+                scorer=str(meta.get("reward", DEFAULT_SCORER)),
+                output_token_ids=[t.output_token_ids for t in turns], metadata=dict(meta),
+                time_scale=self.settings.time_scale))
+        except (EngineError, ToolError) as exc:
+            error = str(exc)
+        finally:
+            progress.waiting_on_tool = False
+        result = SessionResult(
+            session_id=session.session_id, workload=session.workload, group_id=session.group_id,
+            status=SessionState.failed if error else SessionState.done, turns=len(turns),
+            prompt_tokens=prompt_tokens,
+            output_tokens=sum(len(t.output_token_ids) for t in turns),
+            cached_tokens=sum(t.cached_tokens for t in turns),
+            output_token_ids=[t.output_token_ids for t in turns], reward=reward, error=error,
+            policy_version=session.policy_version)
+        stats = CompletionStats(turn_output_tokens=[len(t.output_token_ids) for t in turns],
+                                tool_wait_s=tool_wait, kv_token_seconds=kv_seconds,
+                                truncated=truncated)
+        return Outcome(result=result, stats=stats, turns=turns)
