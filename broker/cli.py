@@ -156,5 +156,28 @@ def demo(
     raise typer.Exit(run_demo(settings))
 
 
+@app.command("api")
+def api(
+    host: Annotated[str, typer.Option(help="address to bind; non-loopback needs --token")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8080,
+    redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
+    namespace: Annotated[str, typer.Option(help="key namespace (one RL job)")] = "default",
+    token: Annotated[Optional[str], typer.Option(
+        help="bearer token required by the mutating endpoints", envvar="RB_API_TOKEN")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+) -> None:
+    """Serve the status API, Prometheus metrics and the live dashboard."""
+    from api.app import serve
+    from api.settings import ApiSettings
+
+    settings = ApiSettings(host=host, port=port, redis_url=redis_url, namespace=namespace,
+                           token=token or None)
+    try:
+        serve(settings, log_level=log_level.lower())
+    except ValueError as exc:
+        typer.echo(f"rollout-broker api: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
 if __name__ == "__main__":
     app()

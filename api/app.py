@@ -1,0 +1,60 @@
+"""The FastAPI app: `create_app()` builds it; `serve()` runs it under uvicorn.
+
+Nothing connects at import or at creation: the lifespan makes the async Redis client (which
+connects on first command) and the trainer client is made on the first mutating request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+
+from api import errors
+from api.history import CounterHistory
+from api.routers import dashboard, health, metrics, mixture, sessions, status
+from api.settings import ApiSettings, check_bind, get_settings
+from api.status import StatusReader
+from broker.keys import Keys
+
+
+def create_app(settings: ApiSettings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.redis = aioredis.Redis.from_url(settings.redis_url)
+        app.state.status_reader = StatusReader(
+            app.state.redis, Keys(settings.namespace), app.state.history,
+            settings.mixture_window_s, settings.throughput_windows_s)
+        try:
+            yield
+        finally:
+            await app.state.redis.aclose()
+            if app.state.rollout_client is not None:
+                app.state.rollout_client.close()
+                app.state.rollout_client = None
+
+    app = FastAPI(title="rollout-broker", version="0.1.0", lifespan=lifespan,
+                  summary="Status, metrics and control of a rollout-broker namespace")
+    app.state.settings = settings
+    app.state.history = CounterHistory(keep_s=max((settings.mixture_window_s,
+                                                   *settings.throughput_windows_s)) + 5.0)
+    app.state.rollout_client = None
+    errors.install(app)
+    for r in (status.router, sessions.router, mixture.router, metrics.router, health.router,
+              dashboard.router):
+        app.include_router(r)
+    app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
+    return app
+
+
+def serve(settings: ApiSettings, log_level: str = "info") -> None:
+    """Run the API under uvicorn; refuses a non-loopback address without a token."""
+    import uvicorn
+
+    check_bind(settings)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)

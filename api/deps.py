@@ -1,0 +1,79 @@
+"""Request dependencies. Clients live on `app.state`, made in the app's lifespan (the async
+one connects on first use) or on first need (the trainer client, which writes on creation)."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from typing import Annotated
+
+import redis.asyncio as aioredis
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from api.errors import ApiError
+from api.settings import ApiSettings
+from api.status import StatusReader
+from broker.client import RolloutClient
+from broker.keys import Keys
+
+
+def get_app_settings(request: Request) -> ApiSettings:
+    return request.app.state.settings
+
+
+SettingsDep = Annotated[ApiSettings, Depends(get_app_settings)]
+
+
+def get_redis(request: Request) -> aioredis.Redis:
+    return request.app.state.redis
+
+
+RedisDep = Annotated[aioredis.Redis, Depends(get_redis)]
+
+
+def get_keys(settings: SettingsDep) -> Keys:
+    return Keys(settings.namespace)
+
+
+KeysDep = Annotated[Keys, Depends(get_keys)]
+
+
+def get_status_reader(request: Request) -> StatusReader:
+    return request.app.state.status_reader
+
+
+StatusReaderDep = Annotated[StatusReader, Depends(get_status_reader)]
+
+_client_lock = threading.Lock()
+
+
+def get_client(request: Request) -> RolloutClient:
+    """The trainer client the mutating endpoints reuse (validation, idempotency, cancel).
+
+    A sync dependency: FastAPI runs it, and the endpoints using it, in its thread pool."""
+    state = request.app.state
+    with _client_lock:
+        if state.rollout_client is None:
+            s: ApiSettings = state.settings
+            state.rollout_client = RolloutClient(s.redis_url, s.namespace, consumer="api")
+        return state.rollout_client
+
+
+ClientDep = Annotated[RolloutClient, Depends(get_client)]
+
+_bearer = HTTPBearer(auto_error=False, description="Required when the API has a token")
+
+
+def require_token(settings: SettingsDep,
+                  creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+    """Mutating endpoints: with a token configured, `Authorization: Bearer <token>` must match."""
+    if settings.token is None:
+        return
+    expected = settings.token.get_secret_value()
+    if creds is None or not secrets.compare_digest(creds.credentials.encode(), expected.encode()):
+        raise ApiError(401, "authorization", "a valid 'Authorization: Bearer <token>' header is "
+                       "required for this endpoint", headers={"WWW-Authenticate": "Bearer"})
+
+
+AuthDep = Depends(require_token)

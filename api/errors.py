@@ -1,0 +1,79 @@
+"""One error shape for every failure: `{"field": ..., "reason": ...}` (api.models.ErrorPublic)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+# Where FastAPI found a bad input; the field name already says it.
+_LOCATIONS = {"body", "path", "query", "header", "cookie"}
+
+
+class ApiError(Exception):
+    def __init__(self, status_code: int, field: str | None, reason: str,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(reason)
+        self.status_code = status_code
+        self.field = field
+        self.reason = reason
+        self.headers = headers
+
+
+def field_path(loc: tuple | list) -> str | None:
+    """("body", "sessions", 3, "max_tokens") -> "sessions[3].max_tokens"."""
+    out = ""
+    for part in loc:
+        if not out and part in _LOCATIONS:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def split_message(message: str) -> tuple[str | None, str]:
+    """The broker's ValueErrors read "field: reason"; a message without a field is all reason."""
+    head, sep, tail = message.partition(": ")
+    if sep and head and " " not in head:
+        return head, tail
+    return None, message
+
+
+def from_value_error(exc: ValueError, status_code: int = 422,
+                     rename: tuple[str, str] | None = None) -> ApiError:
+    field, reason = split_message(str(exc))
+    if field is not None and rename is not None and field.startswith(rename[0]):
+        field = rename[1] + field[len(rename[0]):]
+    return ApiError(status_code, field, reason)
+
+
+def _body(field: str | None, reason: str) -> dict:
+    return {"field": field, "reason": reason}
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(_body(exc.field, exc.reason), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {}
+        reason = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
+        field = field_path(err.get("loc", ()))
+        inner, rest = split_message(reason)
+        if inner is not None and field is not None and "." not in inner and "[" not in inner:
+            # a whole-model check names its field first: "prompt: give exactly one ..."
+            field, reason = f"{field}.{inner}", rest
+        return JSONResponse(_body(field, reason), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's only 400 is a body that is not JSON at all.
+        field = "body" if exc.status_code == 400 else None
+        return JSONResponse(_body(field, str(exc.detail)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))

@@ -1,0 +1,136 @@
+"""What crosses HTTP, split by direction: `*In` is a request body, `*Public` a response."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from broker.session import Session, SessionState
+
+MAX_BATCH = 10_000  # sessions in one POST /v1/sessions; the client chunks bigger batches itself
+
+
+class ErrorPublic(BaseModel):
+    """Every error answer: which input was wrong (None when it is not one field) and why."""
+
+    field: str | None
+    reason: str
+
+
+# -- sessions ------------------------------------------------------------------------------------
+class SessionBatchIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sessions: Annotated[list[Session], Field(min_length=1, max_length=MAX_BATCH)]
+
+
+class EnqueuePublic(BaseModel):
+    enqueued: list[str]  # ids added now
+    duplicates: list[str]  # ids the namespace had seen before: left untouched (idempotent)
+
+
+class SessionPublic(BaseModel):
+    """A session's state hash (see broker/queue.py), timestamps in unix seconds."""
+
+    session_id: str
+    state: SessionState
+    workload: str
+    backend_id: str | None = None
+    reserved_tokens: int | None = None
+    enqueued_at: float | None = None
+    admitted_at: float | None = None
+    running_at: float | None = None
+    finished_at: float | None = None
+    requeued_at: float | None = None
+    session: Session | None = None  # None only if the stored JSON cannot be read
+
+
+class CancelPublic(BaseModel):
+    session_id: str
+    cancelled: bool  # False: it had already finished (state says how)
+    state: SessionState
+
+
+# -- mixture -------------------------------------------------------------------------------------
+class MixtureIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    shares: dict[str, float]  # workload -> target share π_w of consumed sessions; sums to 1
+
+
+class MixturePublic(BaseModel):
+    shares: dict[str, float]
+
+
+# -- status --------------------------------------------------------------------------------------
+class WorkloadStatus(BaseModel):
+    workload: str
+    depth: int  # sessions waiting for admission: pending + requeued entries
+    requeued: int  # of `depth`, taken back from dead backends (admitted before the rest)
+    oldest_pending_age_s: float | None  # None when nothing waits
+    finished_total: int  # results published (done or failed)
+    consumed_total: int  # results the trainer acknowledged
+
+
+class BackendStatus(BaseModel):
+    backend_id: str
+    healthy: bool  # its heartbeat key exists (the TTL is the health signal)
+    capacity_tokens: int  # C_b
+    max_model_len: int
+    alpha: float  # α_b: reservations may reach α_b·C_b
+    limit_tokens: int  # floor(α_b·C_b)
+    reserved_tokens: int
+    reserved_by_workload: dict[str, int]
+    sessions: int  # sessions resident (holding a reservation)
+    admitted_total: int | None  # sessions ever admitted to it; None if its stream is gone
+    kv_usage: float | None  # the engine's own usage, 0..1; None without a heartbeat
+    running: int | None
+    waiting: int | None
+    preemptions_total: int | None
+    prefix_hit_rate: float | None  # hits / queries as vLLM counts them, since engine start
+    heartbeat_age_s: float | None
+
+
+class MixtureStatus(BaseModel):
+    target: dict[str, float]
+    consumed_total: dict[str, int]
+    consumed_window: dict[str, int]  # acknowledged within the last `window_s`
+    window_s: float  # span the window really covers (shorter just after the API started)
+    drift_total: float | None  # ½·Σ|consumed share − target|; None without target or consumption
+    drift_window: float | None
+
+
+class ThroughputWindow(BaseModel):
+    window_s: float  # the window asked for
+    covered_s: float  # the span measured (shorter just after the API started)
+    sessions_per_s: float
+    by_workload: dict[str, float]
+
+
+class BrokerStatus(BaseModel):
+    lease_held: bool  # some broker holds the namespace's lease (is active)
+
+
+class StatusPublic(BaseModel):
+    at: float  # unix seconds the status was read
+    namespace: str
+    broker: BrokerStatus
+    workloads: list[WorkloadStatus]
+    backends: list[BackendStatus]
+    mixture: MixtureStatus
+    throughput: list[ThroughputWindow]
+    results_total: int  # entries in the results stream
+    dead_letter: int  # entries in the dead-letter stream
+
+
+# -- health --------------------------------------------------------------------------------------
+class HealthPublic(BaseModel):
+    status: str
+
+
+class ReadyPublic(BaseModel):
+    ready: bool
+    redis: bool
+    broker_lease: bool
+    reason: str | None = None

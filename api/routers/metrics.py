@@ -1,0 +1,119 @@
+"""GET /metrics: the status as Prometheus text, from a registry made for each request (the
+process-global registry would mix in whatever else the process registers)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from api.deps import StatusReaderDep
+from api.models import StatusPublic
+
+router = APIRouter(tags=["metrics"])
+
+_BACKEND_GAUGES = (  # (metric suffix, BackendStatus field, help)
+    ("capacity_tokens", "capacity_tokens", "KV capacity C_b in tokens"),
+    ("alpha", "alpha", "admission factor: reservations may reach alpha*C_b"),
+    ("limit_tokens", "limit_tokens", "floor(alpha*C_b)"),
+    ("sessions", "sessions", "sessions holding a reservation"),
+    ("kv_usage", "kv_usage", "engine KV cache usage, 0..1"),
+    ("running", "running", "engine requests running"),
+    ("waiting", "waiting", "engine requests waiting"),
+    ("prefix_hit_rate", "prefix_hit_rate", "engine prefix cache hits / queries"),
+    ("heartbeat_age_seconds", "heartbeat_age_s", "seconds since the metrics in the last heartbeat"),
+)
+
+
+class StatusCollector(Collector):
+    def __init__(self, status: StatusPublic) -> None:
+        self.status = status
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.status
+        yield from self._queues(s)
+        yield from self._mixture(s)
+        yield from self._backends(s)
+        lease = GaugeMetricFamily("rb_broker_lease_held", "1 while a broker holds the lease")
+        lease.add_metric([], float(s.broker.lease_held))
+        yield lease
+        dead = GaugeMetricFamily("rb_dead_letter_entries", "entries in the dead-letter stream")
+        dead.add_metric([], s.dead_letter)
+        yield dead
+
+    def _queues(self, s: StatusPublic) -> Iterator[Metric]:
+        depth = GaugeMetricFamily("rb_queue_depth", "sessions waiting for admission",
+                                  labels=["workload"])
+        age = GaugeMetricFamily("rb_oldest_pending_age_seconds",
+                                "age of the oldest session waiting for admission",
+                                labels=["workload"])
+        finished = CounterMetricFamily("rb_finished_sessions", "results published",
+                                       labels=["workload"])
+        consumed = CounterMetricFamily("rb_consumed_sessions", "results the trainer acknowledged",
+                                       labels=["workload"])
+        for w in s.workloads:
+            depth.add_metric([w.workload], w.depth)
+            if w.oldest_pending_age_s is not None:
+                age.add_metric([w.workload], w.oldest_pending_age_s)
+            finished.add_metric([w.workload], w.finished_total)
+            consumed.add_metric([w.workload], w.consumed_total)
+        yield from (depth, age, finished, consumed)
+        rate = GaugeMetricFamily("rb_throughput_sessions_per_second",
+                                 "sessions finished per second over the window",
+                                 labels=["workload", "window"])
+        for t in s.throughput:
+            for w, v in sorted(t.by_workload.items()):
+                rate.add_metric([w, f"{int(t.window_s)}s"], v)
+        yield rate
+
+    def _mixture(self, s: StatusPublic) -> Iterator[Metric]:
+        target = GaugeMetricFamily("rb_mixture_target", "target share pi_w", labels=["workload"])
+        for w, p in sorted(s.mixture.target.items()):
+            target.add_metric([w], p)
+        yield target
+        drift = GaugeMetricFamily("rb_mixture_drift", "1/2*sum|consumed share - target|",
+                                  labels=["window"])
+        if s.mixture.drift_total is not None:
+            drift.add_metric(["total"], s.mixture.drift_total)
+        if s.mixture.drift_window is not None:
+            drift.add_metric(["recent"], s.mixture.drift_window)
+        yield drift
+
+    def _backends(self, s: StatusPublic) -> Iterator[Metric]:
+        healthy = GaugeMetricFamily("rb_backend_healthy", "1 while the heartbeat key exists",
+                                    labels=["backend"])
+        reserved = GaugeMetricFamily("rb_backend_reserved_tokens", "KV tokens reserved",
+                                     labels=["backend", "workload"])
+        admitted = CounterMetricFamily("rb_backend_admissions", "sessions admitted to the backend",
+                                       labels=["backend"])
+        preempt = CounterMetricFamily("rb_backend_preemptions", "engine preemptions",
+                                      labels=["backend"])
+        gauges = {f: GaugeMetricFamily(f"rb_backend_{name}", doc, labels=["backend"])
+                  for name, f, doc in _BACKEND_GAUGES}
+        for b in s.backends:
+            healthy.add_metric([b.backend_id], float(b.healthy))
+            for w, v in sorted(b.reserved_by_workload.items()):
+                reserved.add_metric([b.backend_id, w], v)
+            if b.admitted_total is not None:
+                admitted.add_metric([b.backend_id], b.admitted_total)
+            if b.preemptions_total is not None:
+                preempt.add_metric([b.backend_id], b.preemptions_total)
+            for f, g in gauges.items():
+                v = getattr(b, f)
+                if v is not None:
+                    g.add_metric([b.backend_id], float(v))
+        yield from (healthy, reserved, admitted, preempt, *gauges.values())
+
+
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+                             "description": "Prometheus text exposition"}})
+async def metrics(reader: StatusReaderDep) -> Response:
+    status = await reader.read()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatusCollector(status))
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

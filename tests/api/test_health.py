@@ -1,0 +1,40 @@
+"""/healthz and /readyz."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.settings import ApiSettings
+from broker.keys import Keys
+from broker.redis_server import free_port
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.redis
+def test_ready_only_while_a_broker_holds_the_lease(api, redis_client, namespace):
+    assert api.get("/healthz").json() == {"status": "ok"}
+    r = api.get("/readyz")
+    assert r.status_code == 503
+    assert r.json()["redis"] is True and r.json()["broker_lease"] is False
+    assert "lease" in r.json()["reason"]
+    redis_client.set(Keys(namespace).lease, "tok", px=5000)
+    r = api.get("/readyz")
+    assert r.status_code == 200 and r.json()["ready"] is True
+
+
+def test_not_ready_without_redis():
+    settings = ApiSettings(redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/healthz").status_code == 200
+        r = client.get("/readyz")
+        assert r.status_code == 503
+        assert r.json()["redis"] is False and r.json()["reason"].startswith("redis:")
+
+
+def test_creating_the_app_connects_to_nothing():
+    app = create_app(ApiSettings(redis_url="redis://127.0.0.1:1/0"))  # nothing listens there
+    assert app.state.rollout_client is None
+    assert {"/v1/status", "/metrics", "/readyz"} <= set(app.openapi()["paths"])

@@ -1,0 +1,28 @@
+"""PUT/GET /v1/mixture through the client's checks."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
+
+
+def test_set_and_read_mixture(api):
+    r = api.put("/v1/mixture", json={"shares": {"rlvr": 0.5, "rlhf": 0.3, "agentic": 0.2}})
+    assert r.status_code == 200
+    assert api.get("/v1/mixture").json()["shares"] == pytest.approx(
+        {"rlvr": 0.5, "rlhf": 0.3, "agentic": 0.2})
+    assert api.get("/v1/status").json()["mixture"]["target"]["rlvr"] == 0.5
+
+
+@pytest.mark.parametrize("shares, field, reason", [
+    ({"rlvr": 0.5, "rlhf": 0.6}, "shares", "sum to 1.1"),
+    ({"rlvr": 1.0, "chess": 0.0}, "shares.chess", "unknown workload"),
+    ({"rlvr": 1.5, "rlhf": -0.5}, "shares.rlhf", "must be a finite number ≥ 0"),
+    ({}, "shares", "at least one"),
+])
+def test_bad_mixtures_say_which_share(api, shares, field, reason):
+    r = api.put("/v1/mixture", json={"shares": shares})
+    assert r.status_code == 422
+    assert r.json()["field"] == field and reason in r.json()["reason"]
+    assert api.get("/v1/mixture").json() == {"shares": {}}
