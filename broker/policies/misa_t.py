@@ -53,7 +53,15 @@ class MisaTConfig:
     workload_allocation: bool = True  # off: no shares, no deficit; oldest first across workloads
     residency_accounting: bool = True  # off: charge prompt + max_tokens once, never re-charge
     prefix_placement: bool = True  # off: most headroom, no prefix index
-    length_quantile: float = 0.9  # charge by this quantile of (the tail of) output lengths
+    # Charge a session's expected end: "mean" = E[len | len > x] (what a sum over ~100
+    # sessions per backend converges to); "quantile" = the length_quantile of that tail.
+    tail_stat: str = "mean"
+    length_quantile: float = 0.9  # used when tail_stat == "quantile"
+    # Release a parked agentic session's charge when re-prefilling is cheaper than holding.
+    # Off by default: a broker-placed session comes back to the *same* engine whatever the
+    # ledger says, so a released charge is lent to new sessions that its next turn then
+    # collides with (preemption). Only a router that re-places turns may release.
+    release_parked: bool = False
     deficit_gain: float = 1.0  # σ_w scales by 1 + gain·relative consumed deficit, in [0.5, 2]
     locality_slack: float = 0.15  # prefer a prefix match only within this utilisation of the least used
     recharge_tolerance: float = 0.05  # re-charge only when a charge moves by more than this fraction
@@ -81,6 +89,7 @@ class _Track:
     checked_tokens: int = -1  # generated_tokens when the charge was last computed
     checked_parked: bool = False  # waiting_on_tool then
     checked_at: float = 0.0  # heartbeat time then
+    peak_context: int = 0  # largest context seen in a heartbeat (a multi-turn session's KV peak)
 
 
 @dataclass(slots=True)
@@ -107,18 +116,25 @@ class MisaT(Policy):
         self.prefix = PrefixIndex()
         self._tracks: dict[str, _Track] = {}
         self._last_hb: dict[str, Telemetry] = {}
+        self._calm_since: dict[str, float] = {}
+        self._max_len = 1 << 30  # smallest max_model_len seen: no context exceeds it  # per backend: last preemption or back-off
         self._keys: dict[str, PrefixKey] = {}  # prefix keys of pending items, by session (or group)
 
     # -- predictions (the oracle overrides these two) ------------------------------------
     def admission_output(self, item: PendingItem) -> float:
         """Output tokens to charge a new placement for its first (or current) turn."""
         model = self._model(item.workload, item.max_tokens, item.max_turns)
-        return min(item.max_tokens, model.turn_output.quantile(self.config.length_quantile))
+        return min(item.max_tokens, self._turn_end(model, 0.0))
+
+    def _turn_end(self, model: WorkloadModel, progress: float) -> float:
+        if self.config.tail_stat == "quantile":
+            return model.turn_output.tail_quantile(progress, self.config.length_quantile)
+        return model.turn_output.expected_end(progress)
 
     def turn_output(self, session: ResidentSession, turn_index: int, progress: int) -> float:
         """Where the running turn is expected to end, given `progress` tokens so far."""
         model = self._model(session.workload, session.max_tokens, session.max_turns)
-        end = model.turn_output.tail_quantile(progress, self.config.length_quantile)
+        end = self._turn_end(model, progress)
         return min(session.max_tokens, max(end, progress + 1))
 
     # -- decide --------------------------------------------------------------------------
@@ -142,8 +158,8 @@ class MisaT(Policy):
         model = self.models.get(c.workload)
         if model is None:
             return  # never admitted by this policy object: no caps known to seed a prior
-        model.observe(c)
-        self._tracks.pop(c.session_id, None)
+        track = self._tracks.pop(c.session_id, None)
+        model.observe(c, track.peak_context if track is not None else 0)
 
     # -- accounting and α ----------------------------------------------------------------
     def _account(
@@ -159,10 +175,15 @@ class MisaT(Policy):
             b = view.backend_id
             present.add(b)
             self.prefix.sync_backend(b, view.capacity_tokens)
+            self._max_len = min(self._max_len, view.max_model_len)
             # A restarted broker resumes from the ledger's α; without AIMD α is a constant.
-            first = view.alpha if cfg.adaptive_admission and view.alpha > 0 else cfg.aimd.alpha_init
+            if not cfg.adaptive_admission:
+                first = 1.0  # the ledger's own meaning: reservations may reach C_b
+            else:
+                first = view.alpha if view.alpha > 0 else cfg.aimd.alpha_init
             alpha = self.alpha.setdefault(b, first)
             reserved = 0.0
+            calm_since = self._calm_since.setdefault(b, snapshot.now)
             hb = view.telemetry
             fresh = hb is not None and (b not in self._last_hb or hb.at > self._last_hb[b].at)
             recharge = fresh and cfg.residency_accounting
@@ -183,7 +204,10 @@ class MisaT(Policy):
                         work_pending=work_pending,
                         reserved=reserved,
                         capacity=view.capacity_tokens,
+                        calm_for=hb.at - calm_since,
                     )
+                    if cfg.aimd.backed_off(hb, self._last_hb.get(b)):
+                        self._calm_since[b] = hb.at
                 self._last_hb[b] = hb
             self.alpha[b] = alpha
             if abs(view.alpha - alpha) > 1e-9:
@@ -204,6 +228,8 @@ class MisaT(Policy):
         if track is None:  # admitted by a previous broker incarnation: start tracking now
             track = _Track(view.backend_id, s.workload)
             self._tracks[s.session_id] = track
+        if s.context_tokens > track.peak_context:
+            track.peak_context = s.context_tokens
         if (
             s.generated_tokens - track.checked_tokens < cfg.recheck_tokens
             and s.waiting_on_tool == track.checked_parked
@@ -233,17 +259,32 @@ class MisaT(Policy):
         if s.waiting_on_tool:
             if track.parked_since is None:
                 track.parked_since = now
-            if self.hold_is_cheaper(s.workload, s.context_tokens, now - track.parked_since, view):
-                return s.context_tokens + self.admission_output_for(s)
+            if self.config.release_parked and not self.hold_is_cheaper(
+                s.workload, s.context_tokens, now - track.parked_since, view
+            ):
+                return 0.0
+            charge = s.context_tokens + self.admission_output_for(s)
+        else:
+            track.parked_since = None
+            progress = max(0, s.generated_tokens - track.turn_base)
+            end = self.turn_output(s, max(0, s.turn - 1), progress)
+            charge = s.context_tokens + max(0.0, end - progress)
+        return max(charge, self.peak_estimate(s.workload, max(s.context_tokens, track.peak_context)))
+
+    def peak_estimate(self, workload: str, context: float) -> float:
+        """A multi-turn session's expected KV peak given the context it has reached:
+        E[final context | final > context] once enough sessions have finished, else 0 (the
+        per-turn charge alone then covers the running turn and is raised turn by turn)."""
+        if self.config.tail_stat != "mean":
             return 0.0
-        track.parked_since = None
-        progress = max(0, s.generated_tokens - track.turn_base)
-        end = self.turn_output(s, max(0, s.turn - 1), progress)
-        return s.context_tokens + max(0.0, end - progress)
+        model = self.models.get(workload)
+        if model is None or not model.final_context.warm:
+            return 0.0
+        return min(model.final_context.expected_end(context), float(self._max_len))
 
     def admission_output_for(self, s: ResidentSession) -> float:
         model = self._model(s.workload, s.max_tokens, s.max_turns)
-        return min(s.max_tokens, model.turn_output.quantile(self.config.length_quantile))
+        return min(s.max_tokens, self._turn_end(model, 0.0))
 
     def hold_is_cheaper(self, workload: str, history: int, waited: float, view: BackendView) -> bool:
         """Keep a parked session's history charged iff holding it for the expected rest of the
@@ -268,7 +309,10 @@ class MisaT(Policy):
             model.note_prompt(item.prompt_tokens)
         if not self.config.residency_accounting:
             return float(default_reservation(item))
-        return item.prompt_tokens + self.admission_output(item)
+        charge = item.prompt_tokens + self.admission_output(item)
+        if item.max_turns > 1:
+            charge = max(charge, self.peak_estimate(item.workload, item.prompt_tokens))
+        return charge
 
     def _kv_seconds(
         self, fresh: Mapping[str, list[PendingItem]], target: Mapping[str, float]

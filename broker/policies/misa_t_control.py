@@ -2,7 +2,8 @@
 
 `AimdParams.step` turns one backend's heartbeat into its next α (DESIGN §4.3): back off
 multiplicatively on a new preemption, a growing engine waiting queue or KV usage above the high
-watermark; grow additively while usage is below target, work is pending and α is what binds.
+watermark; grow multiplicatively (and only a little past 1) while usage is below target, the
+backend has been calm for `calm_s`, work is pending and α is what binds.
 
 `shares` and `may_admit` are the allocation of DESIGN §4.2: σ_w = π_w K_w / Σ_v π_v K_v of the
 admitted capacity, a deficit counter on consumed-vs-target nudging σ, lending to whoever has
@@ -20,15 +21,20 @@ from broker.policies.base import Telemetry
 
 @dataclass(frozen=True, slots=True)
 class AimdParams:
-    alpha_init: float = 1.0  # reservations may reach C_b at first: the ledger's own default
-    alpha_min: float = 0.5  # never admit below half the cache: below that a backend idles
-    alpha_max: float = 3.0  # overbooking limit: predicted peaks are rarely reached together
-    increase: float = 0.05  # additive step per heartbeat (~1 s): 0 → +1 in ~20 s
+    # Charges are expected *final* contexts (misa_t.py), so α = 1 already means "the expected
+    # peak of everything admitted fits the cache". Start just below it; overbook only a little
+    # and only once the engine has proved calm: an admitted session cannot be taken back, so
+    # an α that was too high is paid for over a whole rlvr tail (minutes), not one heartbeat.
+    alpha_init: float = 0.95
+    alpha_min: float = 0.6  # a preempting backend still admits once its ledger drains this far
+    alpha_max: float = 1.25  # overbooking limit: Σ expected peaks overstates the actual peak
+    increase: float = 1.02  # multiplicative step per calm heartbeat (~1 s): +25% in ~11 s
     backoff_preempt: float = 0.8  # the engine recomputed someone: the ledger let too much in
     backoff_waiting: float = 0.9  # the engine queue grows: admitted work does not fit
-    backoff_high: float = 0.95  # usage above the watermark: the next growth step may preempt
+    backoff_high: float = 0.97  # usage above the watermark: the next growth step may preempt
     kv_high: float = 0.95  # vLLM preempts at 100%: keep one decode burst of slack
-    kv_target: float = 0.85  # grow α only while usage is below this
+    kv_target: float = 0.8  # grow α only while usage is below this ...
+    calm_s: float = 30.0  # ... and no preemption or back-off happened for this long
     waiting_tolerance: int = 4  # queued requests tolerated (arrivals wait a step for prefill)
     binding: float = 0.9  # α binds when reservations reach this fraction of α·C_b
 
@@ -41,8 +47,10 @@ class AimdParams:
         work_pending: bool,
         reserved: float,
         capacity: float,
+        calm_for: float = float("inf"),
     ) -> float:
-        """The α after heartbeat `now` (`before` is the previous one from this backend)."""
+        """The α after heartbeat `now` (`before` is the previous one from this backend);
+        `calm_for` is how long ago this backend last preempted or backed off."""
         preempted = before is not None and now.preemptions_total > before.preemptions_total
         queue_grows = now.waiting > self.waiting_tolerance and (
             before is None or now.waiting > before.waiting
@@ -55,11 +63,20 @@ class AimdParams:
             alpha *= self.backoff_high
         elif (
             now.kv_usage < self.kv_target
+            and calm_for >= self.calm_s
             and work_pending
             and reserved >= self.binding * alpha * capacity
         ):
-            alpha += self.increase
+            alpha *= self.increase
         return min(self.alpha_max, max(self.alpha_min, alpha))
+
+    def backed_off(self, now: Telemetry, before: Telemetry | None) -> bool:
+        """Whether `step` would shrink α on this heartbeat (starts the calm clock again)."""
+        if before is not None and now.preemptions_total > before.preemptions_total:
+            return True
+        if now.waiting > self.waiting_tolerance and (before is None or now.waiting > before.waiting):
+            return True
+        return now.kv_usage > self.kv_high
 
 
 def shares(

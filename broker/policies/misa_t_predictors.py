@@ -72,6 +72,23 @@ class TailWindow:
             return max(self.prior, x)
         return s[lo + min(above - 1, int(q * above))]
 
+    def expected_end(self, x: float) -> float:
+        """E[v | v > x]: where something past x is expected to end, on average.
+
+        Like `tail_quantile`, the prior (the cap) answers while fewer than `min_samples`
+        samples lie above x. A mean, not a high quantile: the ledger sums the charges of ~100
+        sessions per backend, and a sum of means is what their total converges to; a sum of
+        90th percentiles overstates it ~2× for rlvr's lognormal and leaves half the cache idle.
+        """
+        if not self.warm:
+            return max(self.prior, x)
+        s = self.sorted
+        lo = bisect_right(s, x)
+        above = len(s) - lo
+        if above < self.min_samples:
+            return max(self.prior, x)
+        return sum(s[lo:]) / above
+
     def tail_mean(self, x: float) -> float:
         """E[v − x | v > x]: how much longer something that has lasted x is expected to last."""
         if not self.warm:
@@ -108,6 +125,8 @@ class WorkloadModel:
         self.turns = TailWindow(p.window, p.min_samples, float(max_turns))
         self.tool_wait = TailWindow(p.window, p.min_samples, p.prior_tool_wait_s)
         self.kv_seconds = TailWindow(p.window, p.min_samples, 0.0)
+        # Largest context a multi-turn session reached (from heartbeats): its KV peak.
+        self.final_context = TailWindow(p.window, p.min_samples, 0.0)
         self.decode_tok_s = p.prior_decode_tok_s
         self.prompt_mean = 0.0  # EWMA of first-turn prompt tokens (for the K_w prior)
         self.completions = 0
@@ -118,7 +137,7 @@ class WorkloadModel:
         else:
             self.prompt_mean += 0.05 * (prompt_tokens - self.prompt_mean)
 
-    def observe(self, c: Completion) -> None:
+    def observe(self, c: Completion, peak_context: int = 0) -> None:
         self.completions += 1
         for n in c.turn_output_tokens:
             self.turn_output.add(float(n))
@@ -126,6 +145,8 @@ class WorkloadModel:
         if c.turns > 1:
             self.tool_wait.add(c.tool_wait_s / (c.turns - 1))
         self.kv_seconds.add(c.kv_token_seconds)
+        if c.turns > 1:
+            self.final_context.add(float(max(peak_context, c.prompt_tokens + c.output_tokens)))
 
     def kv_seconds_per_session(self) -> float:
         """K_w: mean KV·token-seconds a session of this workload holds over its residency.

@@ -84,7 +84,12 @@ def test_aimd_backs_off_on_a_preemption() -> None:
 def test_aimd_grows_only_while_alpha_binds_usage_is_low_and_work_waits() -> None:
     p = AimdParams()
     low = hb(2.0, usage=0.5)
-    assert p.step(1.0, low, hb(1.0), work_pending=True, reserved=95_000, capacity=CAP) == pytest.approx(1.0 + p.increase)
+    assert p.step(1.0, low, hb(1.0), work_pending=True, reserved=95_000, capacity=CAP) == pytest.approx(p.increase)
+    # not after a recent back-off (the calm clock), and never past alpha_max
+    assert p.step(1.0, low, hb(1.0), work_pending=True, reserved=95_000, capacity=CAP,
+                  calm_for=p.calm_s / 2) == 1.0
+    assert p.step(p.alpha_max, low, hb(1.0), work_pending=True, reserved=CAP * 2,
+                  capacity=CAP) == p.alpha_max
     assert p.step(1.0, low, hb(1.0), work_pending=False, reserved=95_000, capacity=CAP) == 1.0
     assert p.step(1.0, low, hb(1.0), work_pending=True, reserved=10_000, capacity=CAP) == 1.0
     hot = hb(2.0, usage=0.97)
@@ -99,7 +104,7 @@ def test_alpha_overbooks_past_one_when_predictions_prove_conservative() -> None:
     residents = [resident("r", reserved=99_000)]
     items = [pending(f"p{i}", at=float(i)) for i in range(100)]
     alpha = 1.0
-    for t in range(1, 12):  # the engine reports 30% usage throughout: the charges are too high
+    for t in range(1, 60):  # the engine reports 30% usage throughout: the charges are too high
         d = policy.decide(snap([view("a", *residents, alpha=alpha, telemetry=hb(float(t), usage=0.3))],
                                items))
         alpha = d.alpha.get("a", alpha)
@@ -128,13 +133,13 @@ def test_charge_follows_the_tail_given_progress() -> None:
     lengths = [100] * 80 + [4000] * 20  # most stop at 100; those past 100 go to 4,000
     policy.decide(snap([view("a")], done=[completion(f"c{i}", out=n) for i, n in enumerate(lengths)]))
     item_charge = policy.decide(snap([view("a")], [pending("new")])).admissions[0].reserved_tokens
-    assert item_charge == 100 + 1000  # q90 of the window is 4,000, capped at max_tokens 1,000
+    assert item_charge == 100 + 880  # the mean length (0.8·100 + 0.2·4,000)
     young = resident("young", generated=50, reserved=item_charge)
     old = resident("old", generated=150, reserved=item_charge)
     d = policy.decide(snap([view("a", young, old, telemetry=hb(1.0))]))
-    assert "young" not in d.recharge  # still expected to end at the cap's charge
-    assert d.recharge.get("old", item_charge) == 100 + 1000
-    policy2 = make_policy("misa_t", length_quantile=0.5)
+    assert "young" not in d.recharge  # E[len | len > 50] is still the mean
+    assert d.recharge["old"] == 100 + 1000  # past 100 everyone went to 4,000: the cap binds
+    policy2 = make_policy("misa_t", tail_stat="quantile", length_quantile=0.5)
     policy2.decide(snap([view("a")], [pending("warm", max_tokens=8000)]))
     policy2.decide(snap([view("a")], done=[completion(f"c{i}", out=n) for i, n in enumerate(lengths)]))
     young = resident("young", generated=50, reserved=9999, max_tokens=8000)
@@ -168,9 +173,39 @@ def test_parked_agentic_session_stays_charged_while_holding_is_cheaper() -> None
 
 def test_parked_agentic_session_is_released_when_re_prefill_is_cheaper() -> None:
     policy = _agentic_policy(tool_wait_per_gap=600.0)  # ten-minute test runs: release
+    policy.config = dataclasses.replace(policy.config, release_parked=True)
     d = policy.decide(snap([view("a", _parked(20_000), telemetry=hb(1.0, usage=0.6))],
                            target={"agentic": 1.0}))
     assert d.recharge["ag"] == 0
+
+
+def test_parked_session_stays_charged_by_default_because_it_returns_to_the_same_engine() -> None:
+    policy = _agentic_policy(tool_wait_per_gap=600.0)
+    d = policy.decide(snap([view("a", _parked(20_000), telemetry=hb(1.0, usage=0.6))],
+                           target={"agentic": 1.0}))
+    assert d.recharge.get("ag", 20_000) >= 20_000
+
+
+def test_multi_turn_charge_covers_the_expected_peak_context_once_learned() -> None:
+    policy = _agentic_policy(tool_wait_per_gap=1.0)  # 40 completions of 3,400 tokens seen
+    # Peak contexts reported by heartbeats reach the completions' own floor (100 + 11·300).
+    item = pending("n", workload="agentic", prompt=100, max_tokens=4096, max_turns=50)
+    charge = policy.decide(snap([view("a")], [item], target={"agentic": 1.0})).admissions[0].reserved_tokens
+    assert charge == 100 + 11 * 300  # E[peak], not prompt + one turn
+    running = resident("ag", workload="agentic", reserved=charge, prompt=100, context=500,
+                       generated=400, turn=2, max_tokens=4096, max_turns=50)
+    d = policy.decide(snap([view("a", running, telemetry=hb(1.0))], target={"agentic": 1.0}))
+    assert "ag" not in d.recharge  # still expected to peak at 3,400
+
+
+def test_expected_end_is_the_conditional_mean_with_the_cap_until_the_tail_is_known() -> None:
+    w = TailWindow(size=100, min_samples=4, prior=1000.0)
+    assert w.expected_end(0) == 1000.0
+    for v in (10, 20, 30, 40, 400, 500, 600, 700):
+        w.add(float(v))
+    assert w.expected_end(0) == pytest.approx(2300 / 8)
+    assert w.expected_end(100) == pytest.approx(550)
+    assert w.expected_end(550) == 1000.0  # 2 samples above: unknown tail, the cap
 
 
 def test_hold_breaks_even_where_wait_times_history_meets_prefill_price() -> None:
