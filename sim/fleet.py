@@ -76,6 +76,7 @@ class _Live:
     first_token_at: float | None = None
     request: EngineRequest | None = None  # the turn on an engine now
     prompt_len: int = 0  # this turn's prompt length
+    parked_context: int = 0  # tokens of history in KV after the last finished turn
     waiting_on_tool: bool = False
     tool_wait_s: float = 0.0
     kv_token_seconds: float = 0.0
@@ -282,6 +283,7 @@ class FleetSim:
     def _on_turn_finished(self, req: EngineRequest) -> None:
         live = self.by_request.pop(req.request_id)
         live.request = None
+        live.parked_context = live.prompt_len + req.num_output_tokens  # KV it holds while parked
         live.outputs.append(req.output_token_ids)
         live.generated += req.num_output_tokens
         live.cached_tokens += max(0, req.num_cached_tokens)
@@ -348,7 +350,8 @@ class FleetSim:
         self.resident[live.backend][s.session_id] = ResidentSession(
             session_id=s.session_id, workload=s.workload, group_id=s.group_id,
             reserved_tokens=live.reserved, prompt_tokens=len(s.prompt_token_ids),
-            context_tokens=live.prompt_len + out_now, generated_tokens=done_out + out_now,
+            context_tokens=live.prompt_len + out_now if req is not None else live.parked_context,
+            generated_tokens=done_out + out_now,
             turn=live.turn + (1 if req is not None else 0), max_tokens=s.max_tokens,
             max_turns=s.max_turns, waiting_on_tool=live.waiting_on_tool,
             admitted_at=live.admitted_at if live.admitted_at is not None else self.now,

@@ -197,8 +197,10 @@ class Trainer:
 
     Arrivals. `buffer`: closed loop; `enqueue(now)` returns whole groups while the sessions
     enqueued and not yet returned stay ≤ `inflight_bound`, choosing the workload whose enqueued
-    count would stay lowest relative to π_w (ties by name), and stops once the iterations have
-    enough sessions (fifo: iterations·B in all; quota: iterations·quota_w of each workload).
+    count would stay lowest relative to π_w (ties by name), and keeps the buffer full until the
+    last iteration completes, as an asynchronous trainer's rollout loop does (what is still in
+    flight then is dropped). Stopping at exactly iterations·B instead would end every run with
+    a drain of the longest sessions alone, a mixture artifact of the model, not of a policy.
     `recorded`: open loop; `enqueue(now)` returns every trace session with arrival_at ≤ now and
     `next_arrival_at()` says when the next one is due.
 
@@ -304,15 +306,10 @@ class Trainer:
             self._peeked[w] = self._source.next_group(w)
         return self._peeked[w]
 
-    def _needed(self, w: str) -> bool:
-        if self.mode == "fifo":
-            return sum(self.enqueued.values()) < self.target_iterations * self.batch_size
-        return self.enqueued[w] < self.target_iterations * self.quota[w]
-
     def _pick(self) -> str | None:
         best: tuple[float, str] | None = None
         for w, share in self.mixture.items():
-            if share <= 0 or not self._needed(w):
+            if share <= 0:
                 continue
             group = self._peek(w)
             if group is None:

@@ -137,12 +137,15 @@ def test_fifo_trainer_refills_the_buffer_in_mixture_order():
     assert t.consumed == {"a": 1, "b": 1}
 
 
-def test_fifo_trainer_stops_enqueuing_at_iterations_times_b():
+def test_fifo_trainer_keeps_the_buffer_full_until_done_then_stops():
     t = Trainer(FakeSource(), mode="fifo", batch_size=2, mixture={"a": 0.5, "b": 0.5},
-                inflight_bound=100, iterations=1)
-    # Needs 2 results: b0 (1 enqueued) then a0 (3) — a group is never split.
-    assert _ids(t.enqueue(0.0)) == ["b0-0", "a0-0", "a0-1"]
+                inflight_bound=5, iterations=1)
+    # Keys (enqueued_w + group) / π_w: b0 (2 < 4); a0 (4 = 4, name first); b1 (4 < 8);
+    # b2 (6 < 8) fills the buffer to 5; then a1 (8 = 8, name) would need 7 > 5: stop.
+    assert _ids(t.enqueue(0.0)) == ["b0-0", "a0-0", "a0-1", "b1-0", "b2-0"]
     t.on_result(rec("b0-0", "b"), 1.0)
+    # One slot free: a1 comes first (8 = 8, name) but is a group of 2 — never split — so nothing.
+    assert t.enqueue(1.0) == []
     t.on_result(rec("a0-0", "a"), 2.0)
     assert t.done and t.enqueue(3.0) == []
     assert t.on_result(rec("a0-1", "a"), 4.0) == [] and len(t.iterations) == 1
@@ -166,11 +169,11 @@ def test_quota_trainer_waits_for_each_workload_and_keeps_extras():
     assert t.done and t.consumed == {"a": 4, "b": 4}
 
 
-def test_quota_trainer_enqueues_quota_w_per_iteration_of_each():
+def test_quota_trainer_fills_its_buffer_in_target_proportions():
     t = Trainer(FakeSource(), mode="quota", batch_size=4, mixture={"a": 0.5, "b": 0.5},
-                inflight_bound=100, iterations=2)
+                inflight_bound=8, iterations=2)
     sessions = t.enqueue(0.0)
-    # Needs 2·2 = 4 of each: a in two groups of 2, b in four groups of 1.
+    # Eight slots, π = ½/½: a in two groups of 2, b in four groups of 1.
     assert t.enqueued == {"a": 4, "b": 4} and len(sessions) == 8
 
 
