@@ -64,7 +64,7 @@ def broker(
 @app.command("bench")
 def bench(
     scenario: Annotated[str, typer.Option(help="scenario YAML (see scenarios/)")],
-    policies: Annotated[str, typer.Option(help="comma-separated policy names")] = "round_robin,least_loaded,power_of_two,cache_aware",
+    policies: Annotated[str, typer.Option(help="comma-separated policy names")] = "round_robin,least_loaded,power_of_two,cache_aware,misa_t",
     seed: Annotated[Optional[int], typer.Option(help="override the scenario's seed")] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="write every metric per policy here")] = None,
     plots: Annotated[Optional[str], typer.Option(help="write PNG plots into this directory")] = None,
