@@ -371,12 +371,13 @@ class FleetSim:
                 prefix_queries_total=st.prefix_queries_total, prefix_hits_total=st.prefix_hits_total,
             )
             self.kv_samples.append(KvSample(at=self.now, engine_id=b, usage=st.kv_usage))
-            live = self.live
-            for sid, rs in list(self.resident[b].items()):
-                session = live[sid]
-                req = session.request
-                # Parked sessions and requests still queued report what they reported before.
-                if req is not None and req.num_output_tokens + session.generated != rs.generated_tokens:
+            # Only requests the engine is running make progress; parked sessions and queued
+            # requests report what they reported before.
+            resident = self.resident[b]
+            for req in engine.scheduler.running:
+                session = self.by_request[req.request_id]
+                rs = resident.get(session.sim.session_id)
+                if rs is None or req.num_output_tokens + session.generated != rs.generated_tokens:
                     self._update_resident(session)
         self._dirty = True
 
