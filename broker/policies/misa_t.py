@@ -73,6 +73,11 @@ class MisaTConfig:
     # time per recomputed token and per (query, key) pair of that recompute.
     prefill_s_per_token: float = 15e-6
     prefill_s_per_pair: float = 2.6e-9
+    # Horizon guard: admit to b only while Σ_s min(charge_s, context_s + r_b·H) + new
+    # ≤ horizon_safety·C_b, i.e. nothing there can be preempted within H seconds even if no
+    # session finishes. r_b is the per-session decode rate seen in b's heartbeats. 0 disables.
+    horizon_s: float = 0.0
+    horizon_safety: float = 0.95
     aimd: AimdParams = field(default_factory=AimdParams)
     predictors: PredictorParams = field(default_factory=PredictorParams)
 
@@ -90,6 +95,8 @@ class _Track:
     checked_parked: bool = False  # waiting_on_tool then
     checked_at: float = 0.0  # heartbeat time then
     peak_context: int = 0  # largest context seen in a heartbeat (a multi-turn session's KV peak)
+    hb_gen: int = -1  # generated_tokens at the last heartbeat seen (decode rate)
+    hb_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -99,6 +106,18 @@ class _Backend:
     view: BackendView
     limit: float  # α_b·C_b
     reserved: float
+    proj: float = 0.0  # Σ_s min(charge_s, context_s + r_b·H), plus admissions since
+    proj_limit: float = float("inf")  # horizon_safety·C_b
+    growth: float = 0.0  # r_b·H: tokens one running session may add within the horizon
+
+    def need(self, charge: float, prompt: float) -> float:
+        """What a new placement adds to the horizon projection."""
+        grown = prompt + self.growth
+        return charge if charge < grown else grown
+
+    def fits(self, charge: float, prompt: float) -> bool:
+        return self.limit - self.reserved >= charge and (
+            self.proj + self.need(charge, prompt) <= self.proj_limit)
 
     @property
     def headroom(self) -> float:
@@ -118,6 +137,8 @@ class MisaT(Policy):
         self._last_hb: dict[str, Telemetry] = {}
         self._calm_since: dict[str, float] = {}
         self._max_len = 1 << 30  # smallest max_model_len seen: no context exceeds it  # per backend: last preemption or back-off
+        self._proj: dict[str, float] = {}  # per backend: horizon projection (see _Backend.proj)
+        self._rate: dict[str, float] = {}  # per backend: decode tok/s of one running session
         self._keys: dict[str, PrefixKey] = {}  # prefix keys of pending items, by session (or group)
 
     # -- predictions (the oracle overrides these two) ------------------------------------
@@ -145,6 +166,9 @@ class MisaT(Policy):
         backends, used = self._account(snapshot, decision)
         if backends:
             self._admit(snapshot, backends, used, decision)
+            if self.config.horizon_s > 0:
+                for b in backends:
+                    self._proj[b.view.backend_id] = b.proj
         return decision
 
     def _model(self, workload: str, max_tokens: int, max_turns: int) -> WorkloadModel:
@@ -187,6 +211,16 @@ class MisaT(Policy):
             hb = view.telemetry
             fresh = hb is not None and (b not in self._last_hb or hb.at > self._last_hb[b].at)
             recharge = fresh and cfg.residency_accounting
+            horizon = cfg.horizon_s > 0
+            project = horizon and fresh
+            if project:
+                rate = self._rate.get(b, cfg.predictors.prior_decode_tok_s)
+                growth = rate * cfg.horizon_s
+                proj = 0.0
+                d_gen = 0
+                d_t = 0.0
+                tracks = self._tracks
+                at = hb.at
             for s in view.sessions:
                 charge = (
                     self._recharge(s, view, snapshot.now, decision)
@@ -195,6 +229,21 @@ class MisaT(Policy):
                 )
                 reserved += charge
                 used[s.workload] = used.get(s.workload, 0.0) + charge
+                if project:
+                    ctx = s.context_tokens + growth
+                    proj += charge if charge < ctx else ctx
+                    if not s.waiting_on_tool:
+                        track = tracks.get(s.session_id)
+                        if track is not None:
+                            if track.hb_gen >= 0 and s.generated_tokens > track.hb_gen:
+                                d_gen += s.generated_tokens - track.hb_gen
+                                d_t += at - track.hb_at
+                            track.hb_gen, track.hb_at = s.generated_tokens, at
+            if project:
+                if d_t > 0:
+                    rate += 0.3 * (d_gen / d_t - rate)
+                    self._rate[b] = rate
+                self._proj[b] = proj
             if fresh:
                 if cfg.adaptive_admission:
                     alpha = cfg.aimd.step(
@@ -213,11 +262,18 @@ class MisaT(Policy):
             if abs(view.alpha - alpha) > 1e-9:
                 decision.alpha[b] = alpha
             if view.healthy:
-                out.append(_Backend(view, alpha * view.capacity_tokens, reserved))
+                be = _Backend(view, alpha * view.capacity_tokens, reserved)
+                if horizon:
+                    be.proj = self._proj.get(b, reserved)
+                    be.proj_limit = cfg.horizon_safety * view.capacity_tokens
+                    be.growth = self._rate.get(b, cfg.predictors.prior_decode_tok_s) * cfg.horizon_s
+                out.append(be)
         for b in self.prefix.backends():
             if b not in present:
                 self.prefix.drop_backend(b)
                 self._last_hb.pop(b, None)
+                self._proj.pop(b, None)
+                self._rate.pop(b, None)
         return out, used
 
     def _recharge(
@@ -406,7 +462,7 @@ class MisaT(Policy):
         charges = [self._charge(it) for it in group]
         key = self._key(head) if self.config.prefix_placement else None
         if len(group) > 1:
-            target, hit = self._choose(backends, sum(charges), key)
+            target, hit = self._choose(backends, sum(charges), key, sum(it.prompt_tokens for it in group))
             if target is not None:
                 for it, ch in zip(group, charges):
                     self._place(it, target, ch, decision, key, hit)
@@ -414,7 +470,7 @@ class MisaT(Policy):
                 return len(group), sum(charges)
         taken, charged = 0, 0.0
         for it, ch in zip(group, charges):
-            target, hit = self._choose(backends, ch, key)
+            target, hit = self._choose(backends, ch, key, it.prompt_tokens)
             if target is None:
                 break
             self._place(it, target, ch, decision, key, hit)
@@ -432,10 +488,11 @@ class MisaT(Policy):
         return key
 
     def _choose(
-        self, backends: list[_Backend], charge: float, key: PrefixKey | None
+        self, backends: list[_Backend], charge: float, key: PrefixKey | None, prompt: float = 0.0
     ) -> tuple[_Backend | None, int]:
-        """The backend for `charge` tokens, and how much of `key` it probably caches."""
-        fits = [b for b in backends if b.headroom >= charge]
+        """The backend for `charge` tokens (`prompt` of them prefilled now), and how much of
+        `key` it probably caches."""
+        fits = [b for b in backends if b.fits(charge, prompt)]
         if not fits:
             return None, 0
         matched = self.prefix.matches(key) if key is not None and key.hashes else None
@@ -458,6 +515,7 @@ class MisaT(Policy):
         """Admit `item` to `target`; `hit` tokens of its prompt are probably cached there."""
         b = target.view.backend_id
         target.reserved += charge
+        target.proj += target.need(charge, item.prompt_tokens)
         decision.admissions.append(Admission(item.session_id, b, int(charge)))
         self._tracks[item.session_id] = _Track(b, item.workload)
         if key is not None:
