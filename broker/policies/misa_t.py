@@ -428,7 +428,9 @@ class MisaT(Policy):
         live = set(fresh)
         while live:
             if cfg.workload_allocation:
-                waiting = {w for w in fresh if cursor[w] < len(fresh[w])}
+                # A workload whose oldest session fits nowhere right now does not hold the
+                # others back (work conservation): only workloads still placing count.
+                waiting = {w for w in live if cursor[w] < len(fresh[w])}
                 allowed = [w for w in live if may_admit(w, used, quota, waiting)]
                 if not allowed:
                     return

@@ -27,7 +27,7 @@ class AimdParams:
     # an α that was too high is paid for over a whole rlvr tail (minutes), not one heartbeat.
     alpha_init: float = 0.95
     alpha_min: float = 0.6  # a preempting backend still admits once its ledger drains this far
-    alpha_max: float = 1.25  # overbooking limit: Σ expected peaks overstates the actual peak
+    alpha_max: float = 1.1  # overbooking limit: Σ expected peaks overstates the actual peak (1.25 → 1.1: see docs §0b)
     increase: float = 1.02  # multiplicative step per calm heartbeat (~1 s): +25% in ~11 s
     backoff_preempt: float = 0.8  # the engine recomputed someone: the ledger let too much in
     backoff_waiting: float = 0.9  # the engine queue grows: admitted work does not fit
