@@ -165,6 +165,8 @@ class FleetSim:
             else:
                 _, kind, _, sid = heapq.heappop(self._events)
                 if kind == _HEARTBEAT:
+                    if self.trainer.stalled():
+                        break  # a finite trace ran dry before the iterations were complete
                     stuck = self._fleet_idle() and any(self.pending.values())
                     idle_beats = idle_beats + 1 if stuck else 0
                     if idle_beats > 120:
