@@ -7,6 +7,13 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from hypothesis import HealthCheck, settings
+
+# A shared 2-core CI box can be slow to generate examples; that is not a failure of the code
+# under test. Deadlines are off for the same reason (speed is checked by benchmarks).
+settings.register_profile("rollout-broker", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("rollout-broker")
 
 from broker.redis_server import RedisHandle, ensure_redis
 
