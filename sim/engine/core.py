@@ -496,8 +496,8 @@ class EngineCore:
         """Assert the cache and scheduler invariants (tests call this after every step)."""
         self.kv.pool.check_invariants()
         sch = self.scheduler
-        held = sum(len(r.blocks) for r in sch.running)
-        assert held <= self.num_gpu_blocks - 1
+        held = {b.block_id for r in sch.running for b in r.blocks}  # shared blocks count once
+        assert len(held) + self.kv.pool.num_free <= self.num_gpu_blocks - 1
         assert len(sch.running) <= self.profile.max_num_seqs
         for r in sch.running:
             assert r.status is RequestStatus.running
