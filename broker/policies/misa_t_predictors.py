@@ -63,13 +63,10 @@ class TailWindow:
         With fewer than `min_samples` samples above x the window knows nothing about that
         tail; the answer is then the prior (the cap), the conservative end.
         """
-        if not self.warm:
+        tail = self._tail(x)
+        if tail is None:
             return max(self.prior, x)
-        s = self.sorted
-        lo = bisect_right(s, x)
-        above = len(s) - lo
-        if above < self.min_samples:
-            return max(self.prior, x)
+        s, lo, above = tail
         return s[lo + min(above - 1, int(q * above))]
 
     def expected_end(self, x: float) -> float:
@@ -80,14 +77,21 @@ class TailWindow:
         sessions per backend, and a sum of means is what their total converges to; a sum of
         90th percentiles overstates it ~2× for rlvr's lognormal and leaves half the cache idle.
         """
-        if not self.warm:
+        tail = self._tail(x)
+        if tail is None:
             return max(self.prior, x)
+        s, lo, above = tail
+        return sum(s[lo:]) / above
+
+    def _tail(self, x: float) -> tuple[list[float], int, int] | None:
+        """(sorted samples, index of the first above x, how many are above), or None when the
+        window is cold or knows fewer than `min_samples` samples above x."""
+        if not self.warm:
+            return None
         s = self.sorted
         lo = bisect_right(s, x)
         above = len(s) - lo
-        if above < self.min_samples:
-            return max(self.prior, x)
-        return sum(s[lo:]) / above
+        return None if above < self.min_samples else (s, lo, above)
 
     def tail_mean(self, x: float) -> float:
         """E[v − x | v > x]: how much longer something that has lasted x is expected to last."""
