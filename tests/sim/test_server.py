@@ -299,7 +299,9 @@ def test_concurrent_requests_on_a_small_kv_cache_preempt_and_all_finish() -> Non
             resps = await asyncio.gather(*(ac.post("/v1/completions", json=b) for b in bodies))
             return [r.json() for r in resps]
 
-    with running_engine(profile=PROFILE, time_scale=200.0, kv_tokens=512) as eng, \
+    # Real time (scale 1): each request lives ~0.6 s, so the 8 overlap however slowly a loaded
+    # machine delivers them; at a fast scale they could finish one by one and never contend.
+    with running_engine(profile=PROFILE, time_scale=1.0, kv_tokens=512) as eng, \
             httpx.Client(base_url=eng.url, timeout=30) as http:
         assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 31 * BLOCK
         results = asyncio.run(run(eng))
