@@ -26,6 +26,7 @@ from broker.heartbeat import EngineMetrics
 from broker.client import RolloutClient
 from broker.keys import Keys
 from broker.redis_server import ensure_redis
+from broker.policies import DEFAULT_POLICY
 from broker.service import BrokerService, BrokerSettings, load_policy
 from broker.session import Session
 from broker.worker_link import WorkerLink
@@ -154,7 +155,7 @@ def bench_latency(url: str, n: int, policy: str) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--redis-url", default=None)
-    ap.add_argument("--policy", default="least_loaded")
+    ap.add_argument("--policy", default=DEFAULT_POLICY, help="default: the broker's own default")
     ap.add_argument("--enqueue-n", type=int, default=40_000)
     ap.add_argument("--batch", type=int, default=1000)
     ap.add_argument("--admit-n", type=int, default=20_000)

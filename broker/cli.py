@@ -6,6 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from broker.policies import DEFAULT_POLICY
+
 app = typer.Typer(
     name="rollout-broker",
     help="Serve mixed LLM RL rollouts (RLVR, RLHF, agentic) on a vLLM fleet with MISA-T admission.",
@@ -40,7 +42,7 @@ def sim_engine(
 def broker(
     redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
     namespace: Annotated[str, typer.Option(help="key namespace (one RL job)")] = "default",
-    policy: Annotated[str, typer.Option(help="policy name, or package.module:factory")] = "misa_t",
+    policy: Annotated[str, typer.Option(help="policy name, or package.module:factory")] = DEFAULT_POLICY,
     lease_s: Annotated[float, typer.Option(help="lease period; a standby takes over within 4/3 of it")] = 5.0,
     window: Annotated[int, typer.Option(help="pending sessions per workload shown to the policy")] = 1024,
     log_level: Annotated[str, typer.Option(help="logging level")] = "INFO",
@@ -137,7 +139,7 @@ def tools_worker(
 def demo(
     engines: Annotated[int, typer.Option(help="simulated engines (one worker each)")] = 4,
     duration: Annotated[float, typer.Option(help="seconds the trainer runs")] = 60.0,
-    policy: Annotated[str, typer.Option(help="admission policy")] = "misa_t",
+    policy: Annotated[str, typer.Option(help="admission policy")] = DEFAULT_POLICY,
     scenario: Annotated[Optional[str], typer.Option(help="scenario file (default scenarios/demo.yaml)")] = None,
     time_scale: Annotated[float, typer.Option(help="simulated seconds per wall second")] = 20.0,
     kv_tokens: Annotated[Optional[int], typer.Option(help="KV tokens per engine (default: the scenario's)")] = None,

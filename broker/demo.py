@@ -32,6 +32,7 @@ from rich.table import Table
 from broker.client import RolloutClient
 from broker.heartbeat import parse_heartbeat
 from broker.keys import Keys
+from broker.policies import DEFAULT_POLICY
 from broker.redis_server import RedisHandle, ensure_redis
 from broker.session import Session, SessionResult, SessionState
 
@@ -43,7 +44,7 @@ DEFAULT_SCENARIO = ROOT / "scenarios" / "demo.yaml"
 class DemoSettings:
     engines: int = 4
     duration_s: float = 60.0
-    policy: str = "least_loaded"
+    policy: str = DEFAULT_POLICY
     scenario: Path = DEFAULT_SCENARIO
     time_scale: float = 20.0
     kv_tokens: int | None = None  # default: the scenario's fleet.kv_tokens

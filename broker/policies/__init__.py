@@ -16,6 +16,8 @@ from broker.policies.base import Policy
 
 P = TypeVar("P", bound=type[Policy])
 
+DEFAULT_POLICY = "misa_t"  # what the broker, the demo and compose run unless told otherwise
+
 _FACTORIES: dict[str, Callable[..., Policy]] = {}
 _loaded = False
 

@@ -42,7 +42,7 @@ from broker.policies.base import (
     Telemetry,
     default_reservation,
 )
-from broker.policies.misa_t_control import AimdParams, may_admit, shares
+from broker.policies.misa_t_control import AimdParams, admissible, shares
 from broker.policies.misa_t_predictors import PredictorParams, WorkloadModel
 from broker.policies.misa_t_prefix import PrefixIndex, PrefixKey, prefix_key
 
@@ -430,10 +430,8 @@ class MisaT(Policy):
             if cfg.workload_allocation:
                 # A workload whose oldest session fits nowhere right now does not hold the
                 # others back (work conservation): only workloads still placing count.
-                waiting = {w for w in live if cursor[w] < len(fresh[w])}
-                allowed = [w for w in live if may_admit(w, used, quota, waiting)]
-                if not allowed:
-                    return
+                # (`live` holds exactly the workloads with sessions still to place.)
+                allowed = admissible(live, used, quota)
                 w = min(allowed, key=lambda v: (used.get(v, 0.0) / max(quota.get(v, 0.0), 1e-9), v))
             else:
                 w = min(live, key=lambda v: (fresh[v][cursor[v]].enqueued_at, v))
@@ -494,12 +492,24 @@ class MisaT(Policy):
     ) -> tuple[_Backend | None, int]:
         """The backend for `charge` tokens (`prompt` of them prefilled now), and how much of
         `key` it probably caches."""
-        fits = [b for b in backends if b.fits(charge, prompt)]
-        if not fits:
+        # One pass with the fit test inlined (_Backend.fits): this runs for every admission.
+        fits = []
+        roomiest, most = None, -1.0
+        for b in backends:
+            headroom = b.limit - b.reserved
+            if headroom < charge:
+                continue
+            grown = prompt + b.growth
+            if b.proj + (charge if charge < grown else grown) > b.proj_limit:
+                continue
+            fits.append(b)
+            if headroom > most:
+                roomiest, most = b, headroom
+        if roomiest is None:
             return None, 0
         matched = self.prefix.matches(key) if key is not None and key.hashes else None
         if not matched:
-            return max(fits, key=lambda b: b.headroom), 0
+            return roomiest, 0
         floor = min(b.reserved / b.limit for b in fits) + self.config.locality_slack
         near = [b for b in fits if b.reserved / b.limit <= floor]
         best = max(near, key=lambda b: (matched.get(b.view.backend_id, 0), b.headroom))

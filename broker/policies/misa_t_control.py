@@ -13,7 +13,7 @@ reservation is never taken back: it goes back as the borrower finishes).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from broker.policies.base import Telemetry
@@ -122,3 +122,14 @@ def may_admit(
     return not any(
         v != workload and used.get(v, 0.0) < quota.get(v, 0.0) for v in waiting
     )
+
+
+def admissible(
+    waiting: Iterable[str], used: Mapping[str, float], quota: Mapping[str, float]
+) -> list[str]:
+    """The workloads of `waiting` that `may_admit`, in one pass: those below their quota, or,
+    when none is, all of them (each then borrows from owners that are not waiting)."""
+    waiting = list(waiting)
+    below = [w for w in waiting if used.get(w, 0.0) < quota.get(w, 0.0)]
+    return below or waiting
+

@@ -26,6 +26,8 @@ def client(redis_url, namespace, redis_client):
     ({"session_id": "a", "workload": "rlvr", "prompt_text": "hi", "max_tokens": 0}, "max_tokens"),
     ({"session_id": "a", "workload": "rlvr", "prompt_token_ids": list(range(600)),
       "max_tokens": 4}, "prompt_token_ids"),
+    ({"session_id": "a", "workload": "rlvr", "prompt_token_ids": [5, -1],
+      "max_tokens": 4}, r"prompt_token_ids\.1"),
 ])
 def test_bad_item_rejects_the_whole_batch_naming_item_and_field(client, redis_url, namespace,
                                                                  item, field):

@@ -7,6 +7,8 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import broker.policies.base as base
 from broker.policies import make_policy
@@ -19,7 +21,7 @@ from broker.policies.base import (
     Telemetry,
 )
 from broker.policies.misa_t import MisaT
-from broker.policies.misa_t_control import AimdParams, may_admit, shares
+from broker.policies.misa_t_control import AimdParams, admissible, may_admit, shares
 from broker.policies.misa_t_predictors import TailWindow
 from broker.policies.misa_t_prefix import PrefixIndex, prefix_key
 
@@ -256,6 +258,16 @@ def test_may_admit_lends_idle_share_and_stops_lending_when_the_owner_waits() -> 
     assert not may_admit("a", {"a": 80.0, "b": 10.0}, quota, waiting={"a", "b"})
     assert may_admit("b", {"a": 80.0, "b": 10.0}, quota, waiting={"a", "b"})
     assert may_admit("a", {"a": 80.0, "b": 60.0}, quota, waiting={"a", "b"})  # b is served
+
+
+@given(
+    st.dictionaries(st.sampled_from("abcd"), st.floats(0, 100), max_size=4),
+    st.dictionaries(st.sampled_from("abcd"), st.floats(0, 100), max_size=4),
+    st.sets(st.sampled_from("abcd"), min_size=1),
+)
+def test_admissible_is_may_admit_for_every_waiting_workload(used, quota, waiting) -> None:
+    expected = {w for w in waiting if may_admit(w, used, quota, waiting)}
+    assert set(admissible(waiting, used, quota)) == expected
 
 
 def _two_workload_snap(residents, items, *, capacity=10_000):
