@@ -1,5 +1,8 @@
 """Request dependencies. Clients live on `app.state`, made in the app's lifespan (the async
-one connects on first use) or on first need (the trainer client, which writes on creation)."""
+one connects on first use) or on first need (the trainer client, which writes on creation).
+
+The lookups are `async def`: FastAPI runs a plain `def` dependency in its thread pool, and
+those hops were a large part of a status request's cost."""
 
 from __future__ import annotations
 
@@ -18,28 +21,28 @@ from broker.client import RolloutClient
 from broker.keys import Keys
 
 
-def get_app_settings(request: Request) -> ApiSettings:
+async def get_app_settings(request: Request) -> ApiSettings:
     return request.app.state.settings
 
 
 SettingsDep = Annotated[ApiSettings, Depends(get_app_settings)]
 
 
-def get_redis(request: Request) -> aioredis.Redis:
+async def get_redis(request: Request) -> aioredis.Redis:
     return request.app.state.redis
 
 
 RedisDep = Annotated[aioredis.Redis, Depends(get_redis)]
 
 
-def get_keys(settings: SettingsDep) -> Keys:
+async def get_keys(settings: SettingsDep) -> Keys:
     return Keys(settings.namespace)
 
 
 KeysDep = Annotated[Keys, Depends(get_keys)]
 
 
-def get_status_reader(request: Request) -> StatusReader:
+async def get_status_reader(request: Request) -> StatusReader:
     return request.app.state.status_reader
 
 
@@ -65,8 +68,8 @@ ClientDep = Annotated[RolloutClient, Depends(get_client)]
 _bearer = HTTPBearer(auto_error=False, description="Required when the API has a token")
 
 
-def require_token(settings: SettingsDep,
-                  creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+async def require_token(settings: SettingsDep,
+                        creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
     """Mutating endpoints: with a token configured, `Authorization: Bearer <token>` must match."""
     if settings.token is None:
         return
