@@ -373,6 +373,8 @@ class FleetSim:
                 prefix_queries_total=st.prefix_queries_total, prefix_hits_total=st.prefix_hits_total,
             )
             self.kv_samples.append(KvSample(at=self.now, engine_id=b, usage=st.kv_usage))
+            if not self.policy.reads_progress:
+                continue
             # Only requests the engine is running make progress; parked sessions and queued
             # requests report what they reported before.
             resident = self.resident[b]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import ClassVar
 
 BLOCK_SIZE = 16  # tokens per KV block, as vLLM's default; prefix matching works in whole blocks
@@ -69,6 +70,9 @@ class ResidentSession:
     admitted_at: float
 
 
+_WAITING_ON_TOOL = attrgetter("waiting_on_tool")
+
+
 @dataclass(frozen=True, slots=True)
 class BackendView:
     backend_id: str
@@ -86,7 +90,8 @@ class BackendView:
     @property
     def in_flight(self) -> int:
         """Sessions with a request on the engine now (not parked on a tool call)."""
-        return sum(1 for s in self.sessions if not s.waiting_on_tool)
+        # C-level count: routers read this for every backend on every decide().
+        return len(self.sessions) - sum(map(_WAITING_ON_TOOL, self.sessions))
 
     def reserved_by_workload(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -143,6 +148,9 @@ class Policy(ABC):
     name: ClassVar[str]
     # Router baselines place every request the moment it arrives and let the engine queue it.
     dispatch_on_arrival: ClassVar[bool] = False
+    # Whether decide() reads a resident session's heartbeat progress (context_tokens,
+    # generated_tokens, turn). A driver may skip refreshing progress for a policy that does not.
+    reads_progress: ClassVar[bool] = True
 
     @abstractmethod
     def decide(self, snapshot: Snapshot) -> Decision:

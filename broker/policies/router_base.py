@@ -47,6 +47,7 @@ def least_loaded(backends: Sequence[str], load: Mapping[str, int]) -> str:
 
 class RouterPolicy(Policy):
     dispatch_on_arrival: ClassVar[bool] = True
+    reads_progress: ClassVar[bool] = False  # a router sees its in-flight counts, not heartbeats
 
     @abstractmethod
     def choose(self, item: PendingItem, backends: Sequence[str], load: Mapping[str, int]) -> str:

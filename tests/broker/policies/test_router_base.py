@@ -1,5 +1,7 @@
 """What all four router baselines share: every pending item placed once, on a healthy backend."""
 
+import dataclasses
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -78,3 +80,23 @@ def test_least_loaded_places_each_item_on_a_currently_least_loaded_backend(fleet
     for _, b in placements(decision):
         assert load[b] == min(load.values())
         load[b] += 1
+
+
+def _with_progress(fleet, seed: int):
+    """The same fleet with every resident session's heartbeat progress changed."""
+    def moved(s, k):
+        return dataclasses.replace(s, context_tokens=s.context_tokens + 7 * k + seed,
+                                   generated_tokens=s.generated_tokens + 3 * k + seed,
+                                   turn=s.turn + seed)
+    return [dataclasses.replace(b, sessions=tuple(moved(s, k) for k, s in enumerate(b.sessions)))
+            for b in fleet]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.sampled_from(ROUTERS), fleets, pendings, st.integers(1, 500))
+def test_routers_do_not_read_heartbeat_progress(name, fleet, items, seed) -> None:
+    """`reads_progress = False` lets drivers skip refreshing progress: it must not matter."""
+    assert not make_policy(name).reads_progress
+    a = make_policy(name).decide(snapshot(fleet, items))
+    b = make_policy(name).decide(snapshot(_with_progress(fleet, seed), items))
+    assert placements(a) == placements(b)
