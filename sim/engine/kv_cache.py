@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from sim.engine.block_pool import ROOT_HASH, Block, BlockPool, chain_hashes
 from sim.engine.request import EngineRequest
+
+_REF_CNT = attrgetter("ref_cnt")
 
 
 class KVCacheManager:
@@ -14,6 +18,7 @@ class KVCacheManager:
         self._memo_req: EngineRequest | None = None  # see get_computed_blocks
         self._memo_hits: list[Block] = []
         self._memo_evictable = 0
+        self._memo_watch: set[int] = set()  # the memo's chain, as the pool's watch set
 
     # -- hashing -------------------------------------------------------------------------
     def extend_block_hashes(self, req: EngineRequest, upto_tokens: int) -> None:
@@ -44,9 +49,11 @@ class KVCacheManager:
             pass
         # Memo for the (usually blocked) head of the waiting queue, which the scheduler probes
         # at every step: valid until a block of its chain changes cached or free state.
+        self._memo_evictable = list(map(_REF_CNT, hits)).count(0)
+        if req is not self._memo_req or len(chain) != len(self._memo_watch):
+            self._memo_watch = set(chain)  # the same request probed again: same chain, same set
         self._memo_req, self._memo_hits = req, hits
-        self._memo_evictable = sum(1 for b in hits if b.ref_cnt == 0)
-        pool.watched, pool.watch_dirty = set(chain), False
+        pool.watched, pool.watch_dirty = self._memo_watch, False
         return hits
 
     def blocks_to_allocate(self, req: EngineRequest, num_new_tokens: int,
@@ -58,7 +65,7 @@ class KVCacheManager:
         if computed is self._memo_hits and not self.pool.watch_dirty:
             evictable = self._memo_evictable
         else:
-            evictable = sum(1 for b in computed if b.ref_cnt == 0)
+            evictable = list(map(_REF_CNT, computed)).count(0)
         return n_new, evictable
 
     def can_allocate(self, req: EngineRequest, num_new_tokens: int, computed: list[Block] = ()) -> bool:
