@@ -115,10 +115,6 @@ class _Backend:
         grown = prompt + self.growth
         return charge if charge < grown else grown
 
-    def fits(self, charge: float, prompt: float) -> bool:
-        return self.limit - self.reserved >= charge and (
-            self.proj + self.need(charge, prompt) <= self.proj_limit)
-
     @property
     def headroom(self) -> float:
         return self.limit - self.reserved
@@ -492,7 +488,9 @@ class MisaT(Policy):
     ) -> tuple[_Backend | None, int]:
         """The backend for `charge` tokens (`prompt` of them prefilled now), and how much of
         `key` it probably caches."""
-        # One pass with the fit test inlined (_Backend.fits): this runs for every admission.
+        # A backend fits while its reservations stay within α·C and its horizon projection plus
+        # `need(charge, prompt)` within `proj_limit`; one pass with `need` inlined, because this
+        # runs for every admission.
         fits = []
         roomiest, most = None, -1.0
         for b in backends:
