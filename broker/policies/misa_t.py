@@ -13,6 +13,9 @@ Each `decide(snapshot)`:
 3. Adapt α_b by AIMD on that heartbeat (misa_t_control.AimdParams.step).
 4. Allocate: workload w may hold σ_w of Σ_b α_b·C_b, σ_w ∝ π_w·K_w with a deficit correction;
    idle shares are lent, and lending stops (never preempts) once an owner has pending work.
+   An owner below its share whose oldest session fits nowhere keeps the backend closest to
+   fitting it for itself within the call (others place elsewhere), so the room freed there
+   accumulates for it instead of being lent on to smaller sessions for good.
 5. Admit, most under-served workload first, each workload oldest first: a GRPO group goes
    whole to one backend when it fits; otherwise each member (and any single session) goes to
    the backend with the longest cached-prefix match among those within `locality_slack` of
@@ -63,6 +66,9 @@ class MisaTConfig:
     # collides with (preemption). Only a router that re-places turns may release.
     release_parked: bool = False
     deficit_gain: float = 1.0  # σ_w scales by 1 + gain·relative consumed deficit, in [0.5, 2]
+    # A workload below its share whose oldest session fits nowhere keeps the backend closest
+    # to fitting it (most headroom) for itself within the call; off: pure work conservation.
+    hold_for_blocked: bool = True
     locality_slack: float = 0.15  # prefer a prefix match only within this utilisation of the least used
     recharge_tolerance: float = 0.05  # re-charge only when a charge moves by more than this fraction
     # Re-evaluate a session's charge once it has produced this many tokens more (~6 s of decode
@@ -422,6 +428,8 @@ class MisaT(Policy):
             quota = {w: s * total for w, s in sigma.items()}
         cursor = dict.fromkeys(fresh, 0)
         live = set(fresh)
+        held: dict[str, _Backend] = {}  # workload -> the backend kept for its blocked oldest
+        pools: dict[str, list[_Backend]] = {}  # per workload: backends not held for another
         while live:
             if cfg.workload_allocation:
                 # A workload whose oldest session fits nowhere right now does not hold the
@@ -431,9 +439,24 @@ class MisaT(Policy):
                 w = min(allowed, key=lambda v: (used.get(v, 0.0) / max(quota.get(v, 0.0), 1e-9), v))
             else:
                 w = min(live, key=lambda v: (fresh[v][cursor[v]].enqueued_at, v))
-            taken, charged = self._admit_next(fresh[w], cursor[w], backends, decision)
+            pool = pools.get(w)
+            if pool is None:
+                others = [b for v, b in held.items() if v != w]
+                pool = pools[w] = [b for b in backends if all(b is not o for o in others)]
+            taken, charged, need = self._admit_next(fresh[w], cursor[w], pool, decision)
             if not taken:
                 live.discard(w)  # its oldest does not fit: FIFO within a workload, no overtaking
+                if (cfg.workload_allocation and cfg.hold_for_blocked
+                        and used.get(w, 0.0) < quota.get(w, 0.0)):
+                    # Under-served and blocked: keep the backend closest to fitting it (most
+                    # headroom) for it, so the room freed there accumulates instead of going
+                    # to smaller sessions of other workloads, which would starve it for good
+                    # (EASY backfilling's reservation for the queue head). Elsewhere lending
+                    # goes on.
+                    candidates = [b for b in pool if b.limit >= need]
+                    if candidates:
+                        held[w] = max(candidates, key=lambda b: b.headroom)
+                        pools.clear()
                 continue
             used[w] = used.get(w, 0.0) + charged
             cursor[w] += taken
@@ -446,8 +469,9 @@ class MisaT(Policy):
         start: int,
         backends: list[_Backend],
         decision: Decision,
-    ) -> tuple[int, float]:
-        """Admit the item at `start` (with the rest of its GRPO group): (how many, KV charged)."""
+    ) -> tuple[int, float, float]:
+        """Admit the item at `start` (with the rest of its GRPO group): (how many, KV charged,
+        the charge of the item at `start`)."""
         head = items[start]
         group = [head]
         if head.group_id is not None and head.group_size > 1:
@@ -463,7 +487,7 @@ class MisaT(Policy):
                 for it, ch in zip(group, charges):
                     self._place(it, target, ch, decision, key, hit)
                     hit = key.tokens[-1] if key is not None and key.tokens else 0
-                return len(group), sum(charges)
+                return len(group), sum(charges), charges[0]
         taken, charged = 0, 0.0
         for it, ch in zip(group, charges):
             target, hit = self._choose(backends, ch, key, it.prompt_tokens)
@@ -471,7 +495,7 @@ class MisaT(Policy):
                 break
             self._place(it, target, ch, decision, key, hit)
             taken, charged = taken + 1, charged + ch
-        return taken, charged
+        return taken, charged, charges[0]
 
     def _key(self, item: PendingItem) -> PrefixKey:
         cache_id = item.group_id if item.group_id is not None else item.session_id

@@ -300,6 +300,23 @@ def test_a_workload_that_fits_nowhere_does_not_block_the_others() -> None:
     assert [a.session_id for a in d.admissions] == ["x5", "x6", "x7", "x8"]
 
 
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_blocked_under_served_workload_keeps_the_roomiest_backend(hold) -> None:
+    """y is below its share and its oldest (6,000) fits nowhere now: the backend closest to
+    fitting it (b, 5,000 free) is kept for y, so x borrows only on a. Without the hold x
+    fills b too, and y would wait until some backend drains with nothing else placed there."""
+    policy = make_policy("misa_t-residency", adaptive_admission=False, hold_for_blocked=hold)
+    on_a = [resident(f"xa{i}", workload="x", reserved=1_100) for i in range(5)]  # 4,500 free
+    on_b = [resident(f"xb{i}", workload="x", reserved=1_000) for i in range(5)]  # 5,000 free
+    ys = [pending("y0", workload="y", max_tokens=5_900)]
+    xs = [pending(f"x{i}", workload="x", at=float(i)) for i in range(10)]
+    backends = [view("a", *on_a, capacity=10_000), view("b", *on_b, capacity=10_000)]
+    d = policy.decide(snap(backends, ys + xs, target={"x": 0.5, "y": 0.5}))
+    placed = sorted(a.backend_id for a in d.admissions)
+    assert all(a.session_id.startswith("x") for a in d.admissions)
+    assert placed == (["a"] * 4 if hold else ["a"] * 4 + ["b"] * 4)
+
+
 def test_allocation_ablation_admits_oldest_first_across_workloads() -> None:
     policy = make_policy("misa_t-allocation", residency_accounting=False, adaptive_admission=False)
     items = [pending("y0", workload="y", at=0.0), pending("x0", workload="x", at=1.0),
