@@ -30,12 +30,9 @@ from api.models import (
 from broker.heartbeat import EngineMetrics
 from broker.keys import Keys
 from broker.ledger import parse_ledger
+from broker.streams import as_text
 
 STATUS_LUA = resources.files("api").joinpath("lua", "status.lua").read_text(encoding="utf-8")
-
-
-def _text(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
 
 
 def _pairs(flat: list | dict) -> dict[str, str]:
@@ -48,7 +45,7 @@ def _pairs(flat: list | dict) -> dict[str, str]:
 def _valid(key_of, names) -> list[str]:
     """The index members a key can be built for; a hand-written bad name is skipped, not a 500."""
     out = []
-    for n in sorted(_text(v) for v in names):
+    for n in sorted(as_text(v) for v in names):
         try:
             key_of(n)
         except ValueError:

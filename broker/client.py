@@ -22,14 +22,11 @@ import redis
 from broker.keys import TRAINER_GROUP, Keys
 from broker.ledger import Ledger
 from broker.queue import SessionQueue, validate_batch
-from broker.scripts import Scripts, as_text
+from broker.scripts import Scripts
 from broker.session import DEFAULT_WORKLOADS, Session, SessionResult
+from broker.streams import BacklogCursor, as_text, ensure_group
 
 MIXTURE_TOLERANCE = 1e-6
-
-
-def _text(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
 
 
 def quotas(batch_size: int, mixture: Mapping[str, float]) -> dict[str, int]:
@@ -60,15 +57,8 @@ class RolloutClient:
             self._client.sadd(self.keys.workloads, *names)
         elif not self._client.exists(self.keys.workloads):
             self._client.sadd(self.keys.workloads, *DEFAULT_WORKLOADS)
-        try:
-            self._client.xgroup_create(self.keys.results, TRAINER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        # Our deliveries from before a restart (the group's backlog for this consumer) are read
-        # first, from `_backlog_cursor` on, until a short read says they are all buffered.
-        self._backlog_done = False
-        self._backlog_cursor = "0"
+        ensure_group(self._client, self.keys.results, TRAINER_GROUP)
+        self._cursor = BacklogCursor()  # our deliveries from before a restart come first
         self._buffer: dict[str, deque[tuple[str, SessionResult]]] = {}  # delivered, not handed
         self._handed: list[tuple[str, str]] = []  # (entry id, workload) handed back, not acked
 
@@ -84,7 +74,7 @@ class RolloutClient:
 
     # -- enqueue and configuration --------------------------------------------------------------
     def known_workloads(self) -> set[str]:
-        return {_text(w) for w in self._client.smembers(self.keys.workloads)}
+        return {as_text(w) for w in self._client.smembers(self.keys.workloads)}
 
     def enqueue(self, sessions: Iterable[Session | Mapping[str, Any]]) -> list[str]:
         """Validate the whole batch, then add it; returns the ids that were new.
@@ -116,7 +106,7 @@ class RolloutClient:
         return clean
 
     def mixture(self) -> dict[str, float]:
-        return {_text(k): float(v) for k, v in self._client.hgetall(self.keys.mixture).items()}
+        return {as_text(k): float(v) for k, v in self._client.hgetall(self.keys.mixture).items()}
 
     # -- results --------------------------------------------------------------------------------
     def ack(self) -> None:
@@ -135,20 +125,15 @@ class RolloutClient:
         self._handed = []
 
     def _fetch(self, count: int, block_ms: int | None) -> int:
-        backlog = not self._backlog_done
-        start = self._backlog_cursor if backlog else ">"
+        start, block = self._cursor.read_args(block_ms)
         reply = self._client.xreadgroup(TRAINER_GROUP, self.consumer, {self.keys.results: start},
-                                        count=count, block=None if backlog else block_ms)
+                                        count=count, block=block)
         entries = reply[0][1] if reply else []
-        if backlog:
-            if entries:
-                self._backlog_cursor = _text(entries[-1][0])
-            if len(entries) < count:
-                self._backlog_done = True
+        self._cursor.advance(entries, count)
         n = 0
         for entry_id, fields in entries:
-            eid = _text(entry_id)
-            f = {_text(k): v for k, v in fields.items()}
+            eid = as_text(entry_id)
+            f = {as_text(k): v for k, v in fields.items()}
             r = SessionResult.model_validate_json(f["result"])
             self._buffer.setdefault(r.workload, deque()).append((eid, r))
             n += 1
@@ -211,7 +196,7 @@ class RolloutClient:
         k = self.keys
         for _ in range(5):
             backend = self._client.hget(k.session(session_id), "backend")
-            b = _text(backend) if backend else None
+            b = as_text(backend) if backend else None
             keys = [k.session(session_id)]
             if b:
                 keys += [k.ledger(b), k.ledger_sessions(b), k.admitted(b)]
@@ -243,7 +228,7 @@ class RolloutClient:
         return {
             "pending": {w: int(replies[2 * i]) + int(replies[2 * i + 1])
                         for i, w in enumerate(workloads)},
-            "consumed": {_text(a): int(v) for a, v in replies[n].items()},
+            "consumed": {as_text(a): int(v) for a, v in replies[n].items()},
             "results_stream": int(replies[n + 1]),
             "dead_letter": int(replies[n + 2]),
             "mixture": self.mixture(),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import redis
 
 from broker.keys import WORKERS_GROUP, Keys, check_backend_id
+from broker.streams import as_text, ensure_group
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,13 +39,9 @@ class LedgerState:
         return int(self.alpha * self.capacity_tokens)
 
 
-def _text(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
-
-
 def parse_ledger(backend_id: str, fields: dict, sessions: dict) -> LedgerState | None:
     """A ledger from its two hashes as HGETALL returns them; None when never registered."""
-    f = {_text(k): _text(v) for k, v in fields.items()}
+    f = {as_text(k): as_text(v) for k, v in fields.items()}
     if "capacity" not in f:
         return None
     by_workload = {k[2:]: int(v) for k, v in f.items() if k.startswith("w:")}
@@ -55,7 +52,7 @@ def parse_ledger(backend_id: str, fields: dict, sessions: dict) -> LedgerState |
         alpha=float(f.get("alpha", 1.0)),
         reserved_tokens=int(f.get("reserved", 0)),
         reserved_by_workload=by_workload,
-        sessions={_text(k): int(v) for k, v in sessions.items()},
+        sessions={as_text(k): int(v) for k, v in sessions.items()},
     )
 
 
@@ -81,14 +78,10 @@ class Ledger:
         pipe.hsetnx(k.ledger(backend_id), "reserved", 0)
         pipe.sadd(k.backends, backend_id)
         pipe.execute()
-        try:
-            self._client.xgroup_create(k.admitted(backend_id), WORKERS_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        ensure_group(self._client, k.admitted(backend_id), WORKERS_GROUP)
 
     def backend_ids(self) -> list[str]:
-        return sorted(_text(b) for b in self._client.smembers(self._keys.backends))
+        return sorted(as_text(b) for b in self._client.smembers(self._keys.backends))
 
     def read(self, backend_id: str) -> LedgerState | None:
         pipe = self._client.pipeline(transaction=True)
@@ -123,6 +116,6 @@ class Ledger:
 
     def kv_seconds(self) -> dict[str, tuple[float, int]]:
         """workload -> (summed KV-token-seconds, finished sessions)."""
-        raw = {_text(k): _text(v) for k, v in self._client.hgetall(self._keys.kv_seconds).items()}
+        raw = {as_text(k): as_text(v) for k, v in self._client.hgetall(self._keys.kv_seconds).items()}
         return {w: (float(v), int(raw.get(f"n:{w}", 0))) for w, v in raw.items()
                 if not w.startswith("n:")}

@@ -20,12 +20,9 @@ from pydantic import ValidationError
 from broker.keys import BROKER_GROUP, Keys
 from broker.scripts import Scripts
 from broker.session import Session
+from broker.streams import as_text, ensure_group
 
 ENQUEUE_CHUNK = 500  # sessions per enqueue script call: bounds one script's run time
-
-
-def _text(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -98,17 +95,13 @@ class SessionQueue:
         """Create group "broker" on each pending/requeue stream (id 0: sees earlier entries)."""
         for w in workloads:
             for stream in (self._keys.pending(w), self._keys.requeue(w)):
-                try:
-                    self._client.xgroup_create(stream, BROKER_GROUP, id="0", mkstream=True)
-                except redis.ResponseError as exc:
-                    if "BUSYGROUP" not in str(exc):
-                        raise
+                ensure_group(self._client, stream, BROKER_GROUP)
 
     def dead_letter(self, stream: str, entry_id: str, fields: Mapping, reason: str) -> None:
         """Move an unreadable entry to the dead-letter stream with its reason, atomically."""
         body = {"stream": stream, "entry_id": entry_id, "reason": reason}
         for k, v in fields.items():
-            body[f"f:{_text(k)}"] = v
+            body[f"f:{as_text(k)}"] = v
         pipe = self._client.pipeline(transaction=True)
         pipe.xadd(self._keys.dead_letter, body)
         pipe.xack(stream, BROKER_GROUP, entry_id)
@@ -117,11 +110,11 @@ class SessionQueue:
 
     def state(self, session_id: str) -> str | None:
         v = self._client.hget(self._keys.session(session_id), "state")
-        return None if v is None else _text(v)
+        return None if v is None else as_text(v)
 
     def session_fields(self, session_id: str) -> dict[str, str]:
         raw = self._client.hgetall(self._keys.session(session_id))
-        return {_text(k): _text(v) for k, v in raw.items()}
+        return {as_text(k): as_text(v) for k, v in raw.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +140,8 @@ def decode_entry(stream: str, entry_id: str, fields: Mapping, front: bool) -> Pe
         session = Session.model_validate_json(body)
     except ValidationError as exc:
         return f"session JSON does not validate: {_first_error(exc)}"
-    if session.session_id != _text(sid):
-        return f"sid {_text(sid)!r} does not match session_id {session.session_id!r}"
+    if session.session_id != as_text(sid):
+        return f"sid {as_text(sid)!r} does not match session_id {session.session_id!r}"
     # A pending entry's id is its enqueue time (ms); a requeued one carries the original time.
     stamp = fields.get(b"enqueued_at", fields.get("enqueued_at"))
     try:

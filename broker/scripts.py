@@ -43,8 +43,3 @@ class Scripts:
     def __init__(self, client: redis.Redis) -> None:
         for name in SCRIPT_NAMES:
             setattr(self, name, client.register_script(script_source(name)))
-
-
-def as_text(reply: object) -> str:
-    """Script replies arrive as bytes unless the client decodes; compare them as str."""
-    return reply.decode() if isinstance(reply, bytes) else str(reply)

@@ -30,7 +30,7 @@ from broker.ledger import LedgerState
 from broker.policies import make_policy
 from broker.policies.base import Completion, Decision, PendingItem, Policy
 from broker.queue import PendingEntry, SessionQueue, decode_entry
-from broker.scripts import Scripts, as_text
+from broker.scripts import Scripts
 from broker.session import Session
 from broker.snapshot import (
     FleetRead,
@@ -41,6 +41,7 @@ from broker.snapshot import (
     read_fleet,
     resident_meta,
 )
+from broker.streams import as_text, ensure_group
 
 log = logging.getLogger("rollout_broker.broker")
 
@@ -125,11 +126,7 @@ class BrokerService:
     # -- reading --------------------------------------------------------------------------------
     def _take_over(self) -> None:
         self._reset_memory()
-        try:
-            self._client.xgroup_create(self.keys.events, BROKER_GROUP, id="$", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        ensure_group(self._client, self.keys.events, BROKER_GROUP, start_id="$")
         last = self._client.xrevrange(self.keys.results, count=1)
         self._last_result_id = last[0][0].decode() if last else "0-0"
         fleet = self._read_fleet()

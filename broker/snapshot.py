@@ -24,10 +24,7 @@ from broker.policies.base import (
     Snapshot,
 )
 from broker.session import Session, SessionResult
-
-
-def _text(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
+from broker.streams import as_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,15 +69,15 @@ def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
         if state is not None:
             ledgers[b] = state
             beats[b] = parse_heartbeat(hb)
-    entries = tuple((_text(eid), f) for _, es in (results or []) for eid, f in es) \
+    entries = tuple((as_text(eid), f) for _, es in (results or []) for eid, f in es) \
         if results_after else ()
     return FleetRead(
-        backend_index=tuple(sorted(_text(b) for b in index)),
-        workloads=tuple(sorted(_text(w) for w in workloads)),
+        backend_index=tuple(sorted(as_text(b) for b in index)),
+        workloads=tuple(sorted(as_text(w) for w in workloads)),
         ledgers=ledgers,
         heartbeats=beats,
-        mixture={_text(k): float(v) for k, v in mixture.items()},
-        consumed={_text(k): int(v) for k, v in consumed.items()},
+        mixture={as_text(k): float(v) for k, v in mixture.items()},
+        consumed={as_text(k): int(v) for k, v in consumed.items()},
         results=entries,
     )
 
@@ -157,7 +154,7 @@ def build_snapshot(now: float, pending: Mapping[str, Sequence[PendingItem]], fle
 
 def completion_from_entry(fields: Mapping) -> Completion | None:
     """A results-stream entry as a policy `Completion`; None if it cannot be read."""
-    f = {_text(k): v for k, v in fields.items()}
+    f = {as_text(k): v for k, v in fields.items()}
     try:
         r = SessionResult.model_validate_json(f["result"])
         stats = json.loads(f.get("stats") or "{}")

@@ -29,8 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S, EngineMetrics, HeartbeatRecord, SessionProgress
 from broker.keys import WORKERS_GROUP, Keys, check_backend_id
 from broker.ledger import Ledger
-from broker.scripts import Scripts, as_text
+from broker.scripts import Scripts
 from broker.session import Session, SessionResult, SessionState
+from broker.streams import BacklogCursor, as_text
 
 
 class CompletionStats(BaseModel):
@@ -51,10 +52,6 @@ class AdmittedSession:
     reserved_tokens: int
 
 
-def _text(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
-
-
 class WorkerLink:
     def __init__(self, redis_url: str, namespace: str, backend_id: str,
                  heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S) -> None:
@@ -64,18 +61,14 @@ class WorkerLink:
         self._scripts = Scripts(self._client)
         self._ledger = Ledger(self._client, self.keys)
         self.heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
-        # Entries delivered to us before a restart are read first, from the cursor on, until
-        # a short read says the backlog is exhausted; then only new entries ('>').
-        self._backlog_done = False
-        self._backlog_cursor = "0"
+        self._cursor = BacklogCursor()  # entries delivered before a restart come first
 
     def close(self) -> None:
         self._client.close()
 
     def register(self, capacity_tokens: int, max_model_len: int) -> None:
         self._ledger.register_backend(self.backend_id, capacity_tokens, max_model_len)
-        self._backlog_done = False
-        self._backlog_cursor = "0"
+        self._cursor.reset()
 
     def heartbeat(self, metrics: EngineMetrics, progress: Sequence[SessionProgress] = (),
                   at: float | None = None) -> None:
@@ -103,31 +96,26 @@ class WorkerLink:
     def read_admitted(self, count: int = 64, block_ms: int | None = 1000) -> list[AdmittedSession]:
         """Sessions admitted here: first our unfinished backlog, then new ones (blocking)."""
         stream = self.keys.admitted(self.backend_id)
-        backlog = not self._backlog_done
-        start = self._backlog_cursor if backlog else ">"
+        start, block = self._cursor.read_args(block_ms)
         try:
             reply = self._client.xreadgroup(WORKERS_GROUP, self.backend_id, {stream: start},
-                                            count=count, block=None if backlog else block_ms)
+                                            count=count, block=block)
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             # The broker reclaimed this backend (heartbeat lapsed) and dropped its stream.
             raise BackendReclaimed(self.backend_id) from None
         entries = reply[0][1] if reply else []
-        if backlog:
-            if entries:
-                self._backlog_cursor = _text(entries[-1][0])
-            if len(entries) < count:
-                self._backlog_done = True
-            if not entries:
-                return self.read_admitted(count, block_ms)
+        self._cursor.advance(entries, count)
+        if start != ">" and not entries:  # the backlog is empty: wait for new ones
+            return self.read_admitted(count, block_ms)
         out = []
         for entry_id, fields in entries:
             if not fields:  # finished or cancelled meanwhile: the scripts deleted the entry
                 self._client.xack(stream, WORKERS_GROUP, entry_id)
                 continue
-            f = {_text(k): v for k, v in fields.items()}
-            out.append(AdmittedSession(entry_id=_text(entry_id),
+            f = {as_text(k): v for k, v in fields.items()}
+            out.append(AdmittedSession(entry_id=as_text(entry_id),
                                        session=Session.model_validate_json(f["session"]),
                                        reserved_tokens=int(f["reserved"])))
         return out

@@ -15,7 +15,7 @@ blocks has gone through the free queue ahead of it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from broker.policies.base import BLOCK_SIZE
 

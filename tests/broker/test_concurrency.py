@@ -16,7 +16,8 @@ from broker.backend_sim import SimulatedBackend
 from broker.client import RolloutClient
 from broker.keys import BROKER_GROUP, Keys
 from broker.ledger import parse_ledger
-from broker.scripts import Scripts, as_text
+from broker.scripts import Scripts
+from broker.streams import as_text
 from tests.broker.helpers import BrokerThread, make_session, wait_until
 from tests.broker.policies_for_tests import OverbookingPolicy
 

@@ -9,8 +9,9 @@ from broker.heartbeat import EngineMetrics
 from broker.keys import BROKER_GROUP, Keys
 from broker.ledger import Ledger
 from broker.queue import SessionQueue
-from broker.scripts import Scripts, as_text
+from broker.scripts import Scripts
 from broker.session import SessionResult, SessionState
+from broker.streams import as_text
 from broker.worker_link import WorkerLink
 from tests.broker.helpers import make_session
 
