@@ -17,6 +17,13 @@ def _bucketed_throughput(result: FleetResult, bucket_s: float) -> tuple[list[flo
     return [(i + 0.5) * bucket_s for i in range(n)], [t / bucket_s for t in tokens]
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_plots(results: Mapping[str, FleetResult], out_dir: str | Path, scenario_name: str) -> list[Path]:
     import matplotlib
 
@@ -36,10 +43,7 @@ def write_plots(results: Mapping[str, FleetResult], out_dir: str | Path, scenari
     ax.set(xlabel="simulated time (s)", ylabel="generated tokens/s (finished sessions)",
            title=f"{scenario_name}: rollout throughput over time ({bucket:.0f} s buckets)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "throughput.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out / "throughput.png"))
 
     n = len(results)
     cols = min(3, n)
@@ -55,10 +59,7 @@ def write_plots(results: Mapping[str, FleetResult], out_dir: str | Path, scenari
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     fig.suptitle(f"{scenario_name}: KV cache usage per engine")
-    fig.tight_layout()
-    paths.append(out / "kv_usage.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out / "kv_usage.png"))
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for name, r in results.items():
@@ -67,8 +68,5 @@ def write_plots(results: Mapping[str, FleetResult], out_dir: str | Path, scenari
     ax.set(xlabel="iteration", ylabel="mixture drift ½·Σ|consumed − π|",
            title=f"{scenario_name}: mixture drift per iteration")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "drift.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out / "drift.png"))
     return paths
