@@ -34,6 +34,23 @@ def _ids(workload: str, index: int, member: int) -> tuple[str, str]:
     return group_id, f"{group_id}-{member:03d}"
 
 
+def _member(spec: RlvrSpec | RlhfSpec | AgenticSpec, workload: str, index: int, member: int,
+            prompt_ids: list[int], max_turns: int = 1, **metadata: int) -> Session:
+    """Member `member` of group `index`: what the trainer enqueues (the truth is separate)."""
+    group_id, session_id = _ids(workload, index, member)
+    return Session(
+        session_id=session_id,
+        workload=workload,
+        group_id=group_id,
+        group_size=spec.group_size,
+        prompt_token_ids=prompt_ids,
+        max_tokens=spec.max_tokens,
+        max_turns=max_turns,
+        sampling=SamplingParams(temperature=spec.temperature),
+        metadata={"group_index": index, **metadata},
+    )
+
+
 def _single_turn_group(
     workload: str,
     index: int,
@@ -45,7 +62,6 @@ def _single_turn_group(
 ) -> tuple[SimSession, ...]:
     out = []
     for member, n in enumerate(natural):
-        group_id, session_id = _ids(workload, index, member)
         lengths, truncated = truncate([n], spec.max_tokens)
         truth = SessionTruth(
             output_tokens=lengths,
@@ -56,16 +72,7 @@ def _single_turn_group(
             token_seed=_token_seed(rng),
             vocab_size=vocab_size,
         )
-        session = Session(
-            session_id=session_id,
-            workload=workload,
-            group_id=group_id,
-            group_size=spec.group_size,
-            prompt_token_ids=prompt_ids,
-            max_tokens=spec.max_tokens,
-            sampling=SamplingParams(temperature=spec.temperature),
-            metadata={"group_index": index},
-        )
+        session = _member(spec, workload, index, member, prompt_ids)
         out.append(SimSession(session=session, truth=truth))
     return tuple(out)
 
@@ -133,19 +140,9 @@ def agentic_group(spec: AgenticSpec, workload: str, seed: int, index: int, vocab
     )
     out = []
     for member in range(spec.group_size):
-        group_id, session_id = _ids(workload, index, member)
         truth = _agentic_truth(spec, rng, len(prompt_ids), vocab_size)
-        session = Session(
-            session_id=session_id,
-            workload=workload,
-            group_id=group_id,
-            group_size=spec.group_size,
-            prompt_token_ids=prompt_ids,
-            max_tokens=spec.max_tokens,
-            max_turns=spec.max_turns,
-            sampling=SamplingParams(temperature=spec.temperature),
-            metadata={"group_index": index, "task_family": family},
-        )
+        session = _member(spec, workload, index, member, prompt_ids, max_turns=spec.max_turns,
+                          task_family=family)
         out.append(SimSession(session=session, truth=truth))
     return tuple(out)
 
