@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
+from collections.abc import Mapping
+from pathlib import Path
 
 import httpx
 
@@ -12,6 +18,39 @@ from workers.engine import parse_metrics
 from workers.runner import RunnerSettings
 from workers.tools import InlineExecutor
 from workers.worker import Worker, WorkerSettings
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_worker(redis_url: str, namespace: str, backend_id: str, tool_time_scale: str = "50"
+                 ) -> subprocess.Popen:
+    """A worker process that starts its own simulated engine (a child in its process group)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-m", "broker.cli", "worker", "--backend-id", backend_id,
+         "--engine", "sim:h100-8b", "--kv-tokens", "40000", "--redis-url", redis_url, "--namespace", namespace,
+         "--time-scale", tool_time_scale, "--heartbeat-s", "0.25", "--heartbeat-ttl", "2.0",
+         "--drain-grace", "5", "--log-level", "WARNING"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        start_new_session=True)
+
+
+def terminate_workers(procs: Mapping[str, subprocess.Popen]) -> None:
+    """SIGTERM the workers still running and wait for them to drain."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.terminate()
+            p.wait(timeout=60)
+
+
+def kill_process_groups(procs: Mapping[str, subprocess.Popen]) -> None:
+    """SIGKILL what is left of each worker's process group (an engine child that outlived it)."""
+    for p in procs.values():
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class WorkerThread:

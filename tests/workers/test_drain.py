@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -13,8 +12,7 @@ from broker.keys import Keys
 from broker.policies import make_policy
 from broker.session import Session, SessionState
 from tests.broker.helpers import BrokerThread, wait_until
-from tests.workers.helpers import prompt
-from tests.workers.test_kill9 import start_worker
+from tests.workers.helpers import kill_process_groups, prompt, start_worker, terminate_workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,14 +52,8 @@ def test_sigterm_finishes_what_it_can_and_hands_back_the_rest(redis_url, namespa
         client.ack()
     finally:
         broker.stop()
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-                p.wait(timeout=60)
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        terminate_workers(procs)
+        kill_process_groups(procs)
         client.close()
     assert drained_s < 20
     assert sorted(r.session_id for r in got) == sorted(s.session_id for s in short + long)

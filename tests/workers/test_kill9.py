@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,24 +11,15 @@ from broker.keys import Keys
 from broker.policies import make_policy
 from broker.session import SessionState
 from tests.broker.helpers import BrokerThread, wait_until
-from tests.workers.helpers import mixed_sessions
+from tests.workers.helpers import (
+    kill_process_groups,
+    mixed_sessions,
+    start_worker,
+    terminate_workers,
+)
 
 pytestmark = pytest.mark.timeout(150)
-ROOT = Path(__file__).resolve().parents[2]
 N = 500
-
-
-def start_worker(redis_url: str, namespace: str, backend_id: str, tool_time_scale: str = "50"
-                 ) -> subprocess.Popen:
-    """A worker process that starts its own simulated engine (a child in its process group)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "worker", "--backend-id", backend_id,
-         "--engine", "sim:h100-8b", "--kv-tokens", "40000", "--redis-url", redis_url, "--namespace", namespace,
-         "--time-scale", tool_time_scale, "--heartbeat-s", "0.25", "--heartbeat-ttl", "2.0",
-         "--drain-grace", "5", "--log-level", "WARNING"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        start_new_session=True)
 
 
 def test_kill_9_of_a_worker_mid_run(redis_url, namespace, redis_client):
@@ -61,17 +48,10 @@ def test_kill_9_of_a_worker_mid_run(redis_url, namespace, redis_client):
             client.ack()
         finally:
             broker.stop()
-            for p in procs.values():
-                if p.poll() is None:
-                    p.terminate()
-                    p.wait(timeout=60)
+            terminate_workers(procs)
             client.close()
     finally:
-        for p in procs.values():  # the killed worker's engine child, if it outlived it
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_process_groups(procs)  # the killed worker's engine child, if it outlived it
     ids = [r.session_id for r in got]
     assert len(ids) == N and len(set(ids)) == N, f"{len(ids)} results, {len(set(ids))} unique"
     assert redis_client.xlen(k.results) == N
