@@ -247,7 +247,7 @@ def summary(trainer: Trainer, engines: dict[str, dict | None], elapsed: float) -
                   f"{lats[len(lats) // 2]:.2f}s" if lats else "-",
                   f"{lats[min(len(lats) - 1, int(0.99 * len(lats)))]:.2f}s" if lats else "-",
                   f"{statistics.fmean(rewards):.3f}" if rewards else "-")
-    t.caption = (f"iterations {len(st.iteration_drift)} of {trainer.scenario.trainer.batch_size}; "
+    t.caption = (f"{len(st.iteration_drift)} iterations of {trainer.scenario.trainer.batch_size} sessions; "
                  f"mean drift {statistics.fmean(st.iteration_drift) if st.iteration_drift else 0:.3f}; "
                  f"mean iteration {statistics.fmean(st.iteration_s) if st.iteration_s else 0:.2f}s; "
                  "preemptions " + ", ".join(f"{b} {m['preemptions_total']}" if m else f"{b} -"
