@@ -93,12 +93,6 @@ class BackendView:
         # C-level count: routers read this for every backend on every decide().
         return len(self.sessions) - sum(map(_WAITING_ON_TOOL, self.sessions))
 
-    def reserved_by_workload(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for s in self.sessions:
-            out[s.workload] = out.get(s.workload, 0) + s.reserved_tokens
-        return out
-
 
 @dataclass(frozen=True, slots=True)
 class Completion:

@@ -92,8 +92,6 @@ class MisaTConfig:
 class _Track:
     """What the policy remembers of one admitted session between heartbeats."""
 
-    backend_id: str
-    workload: str
     turn: int = -1  # last turn number seen in a heartbeat
     turn_base: int = 0  # generated_tokens when that turn was first seen (its progress origin)
     parked_since: float | None = None  # first heartbeat time seen waiting on a tool
@@ -144,10 +142,11 @@ class MisaT(Policy):
         self._keys: dict[str, PrefixKey] = {}  # prefix keys of pending items, by session (or group)
 
     # -- predictions (the oracle overrides these two) ------------------------------------
-    def admission_output(self, item: PendingItem) -> float:
-        """Output tokens to charge a new placement for its first (or current) turn."""
-        model = self._model(item.workload, item.max_tokens, item.max_turns)
-        return min(item.max_tokens, self._turn_end(model, 0.0))
+    def admission_output(self, s: PendingItem | ResidentSession) -> float:
+        """Output tokens to charge for the turn `s` starts next: a new placement's first (or
+        current) turn, or a parked session's next one."""
+        model = self._model(s.workload, s.max_tokens, s.max_turns)
+        return min(s.max_tokens, self._turn_end(model, 0.0))
 
     def _turn_end(self, model: WorkloadModel, progress: float) -> float:
         if self.config.tail_stat == "quantile":
@@ -248,16 +247,17 @@ class MisaT(Policy):
                 self._proj[b] = proj
             if fresh:
                 if cfg.adaptive_admission:
+                    before = self._last_hb.get(b)
                     alpha = cfg.aimd.step(
                         alpha,
                         hb,
-                        self._last_hb.get(b),
+                        before,
                         work_pending=work_pending,
                         reserved=reserved,
                         capacity=view.capacity_tokens,
                         calm_for=hb.at - calm_since,
                     )
-                    if cfg.aimd.backed_off(hb, self._last_hb.get(b)):
+                    if cfg.aimd.backed_off(hb, before):
                         self._calm_since[b] = hb.at
                 self._last_hb[b] = hb
             self.alpha[b] = alpha
@@ -284,7 +284,7 @@ class MisaT(Policy):
         cfg = self.config
         track = self._tracks.get(s.session_id)
         if track is None:  # admitted by a previous broker incarnation: start tracking now
-            track = _Track(view.backend_id, s.workload)
+            track = _Track()
             self._tracks[s.session_id] = track
         if s.context_tokens > track.peak_context:
             track.peak_context = s.context_tokens
@@ -321,7 +321,7 @@ class MisaT(Policy):
                 s.workload, s.context_tokens, now - track.parked_since, view
             ):
                 return 0.0
-            charge = s.context_tokens + self.admission_output_for(s)
+            charge = s.context_tokens + self.admission_output(s)
         else:
             track.parked_since = None
             progress = max(0, s.generated_tokens - track.turn_base)
@@ -339,10 +339,6 @@ class MisaT(Policy):
         if model is None or not model.final_context.warm:
             return 0.0
         return min(model.final_context.expected_end(context), float(self._max_len))
-
-    def admission_output_for(self, s: ResidentSession) -> float:
-        model = self._model(s.workload, s.max_tokens, s.max_turns)
-        return min(s.max_tokens, self._turn_end(model, 0.0))
 
     def hold_is_cheaper(self, workload: str, history: int, waited: float, view: BackendView) -> bool:
         """Keep a parked session's history charged iff holding it for the expected rest of the
@@ -401,11 +397,11 @@ class MisaT(Policy):
     ) -> None:
         cfg = self.config
         fresh: dict[str, Sequence[PendingItem]] = {}
+        by_id = {b.view.backend_id: b for b in backends}
         for w, items in snapshot.pending.items():
             if any(item.turn for item in items):
                 # Follow-up turns (router mode) go home first, whatever the limits say: their
                 # history is cached there.
-                by_id = {b.view.backend_id: b for b in backends}
                 for item in items:
                     if item.turn and item.home_backend in by_id:
                         charge = self._charge(item)
@@ -551,7 +547,7 @@ class MisaT(Policy):
         target.reserved += charge
         target.proj += target.need(charge, item.prompt_tokens)
         decision.admissions.append(Admission(item.session_id, b, int(charge)))
-        self._tracks[item.session_id] = _Track(b, item.workload)
+        self._tracks[item.session_id] = _Track()
         if key is not None:
             self.prefix.insert(key, b, charge - hit)
 

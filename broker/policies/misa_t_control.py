@@ -5,7 +5,7 @@ multiplicatively on a new preemption, a growing engine waiting queue or KV usage
 watermark; grow multiplicatively (and only a little past 1) while usage is below target, the
 backend has been calm for `calm_s`, work is pending and α is what binds.
 
-`shares` and `may_admit` are the allocation of DESIGN §4.2: σ_w = π_w K_w / Σ_v π_v K_v of the
+`shares` and `admissible` are the allocation of DESIGN §4.2: σ_w = π_w K_w / Σ_v π_v K_v of the
 admitted capacity, a deficit counter on consumed-vs-target nudging σ, lending to whoever has
 pending work while a share sits idle, and reclaiming only by not lending any more (a borrowed
 reservation is never taken back: it goes back as the borrower finishes).
@@ -51,16 +51,9 @@ class AimdParams:
     ) -> float:
         """The α after heartbeat `now` (`before` is the previous one from this backend);
         `calm_for` is how long ago this backend last preempted or backed off."""
-        preempted = before is not None and now.preemptions_total > before.preemptions_total
-        queue_grows = now.waiting > self.waiting_tolerance and (
-            before is None or now.waiting > before.waiting
-        )
-        if preempted:
-            alpha *= self.backoff_preempt
-        elif queue_grows:
-            alpha *= self.backoff_waiting
-        elif now.kv_usage > self.kv_high:
-            alpha *= self.backoff_high
+        backoff = self.backoff(now, before)
+        if backoff is not None:
+            alpha *= backoff
         elif (
             now.kv_usage < self.kv_target
             and calm_for >= self.calm_s
@@ -70,13 +63,20 @@ class AimdParams:
             alpha *= self.increase
         return min(self.alpha_max, max(self.alpha_min, alpha))
 
+    def backoff(self, now: Telemetry, before: Telemetry | None) -> float | None:
+        """The factor heartbeat `now` shrinks α by, first rule that applies: a new preemption,
+        a growing engine queue, usage above the high watermark; None when none does."""
+        if before is not None and now.preemptions_total > before.preemptions_total:
+            return self.backoff_preempt
+        if now.waiting > self.waiting_tolerance and (before is None or now.waiting > before.waiting):
+            return self.backoff_waiting
+        if now.kv_usage > self.kv_high:
+            return self.backoff_high
+        return None
+
     def backed_off(self, now: Telemetry, before: Telemetry | None) -> bool:
         """Whether `step` would shrink α on this heartbeat (starts the calm clock again)."""
-        if before is not None and now.preemptions_total > before.preemptions_total:
-            return True
-        if now.waiting > self.waiting_tolerance and (before is None or now.waiting > before.waiting):
-            return True
-        return now.kv_usage > self.kv_high
+        return self.backoff(now, before) is not None
 
 
 def shares(
@@ -105,30 +105,15 @@ def shares(
     return {w: v / norm for w, v in raw.items()} if norm > 0 else {}
 
 
-def may_admit(
-    workload: str,
-    used: Mapping[str, float],
-    quota: Mapping[str, float],
-    waiting: set[str],
-) -> bool:
-    """Whether `workload` may take more KV now.
-
-    Within its quota it always may. Beyond it, it borrows, and only while no *other* workload
-    with pending sessions (`waiting`) is below its own quota: once one is, lending stops and the
-    borrowed capacity returns to it as the borrower's sessions finish.
-    """
-    if used.get(workload, 0.0) < quota.get(workload, 0.0):
-        return True
-    return not any(
-        v != workload and used.get(v, 0.0) < quota.get(v, 0.0) for v in waiting
-    )
-
-
 def admissible(
     waiting: Iterable[str], used: Mapping[str, float], quota: Mapping[str, float]
 ) -> list[str]:
-    """The workloads of `waiting` that `may_admit`, in one pass: those below their quota, or,
-    when none is, all of them (each then borrows from owners that are not waiting)."""
+    """The workloads of `waiting` that may take more KV now, in one pass.
+
+    Within its quota a workload always may. Beyond it, it borrows, and only while no *other*
+    waiting workload is below its own quota: once one is, lending stops and the borrowed
+    capacity returns to it as the borrower's sessions finish. So: those below their quota, or,
+    when none is, all of them."""
     waiting = list(waiting)
     below = [w for w in waiting if used.get(w, 0.0) < quota.get(w, 0.0)]
     return below or waiting

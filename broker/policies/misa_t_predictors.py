@@ -37,9 +37,6 @@ class TailWindow:
         self.recent: deque[float] = deque()
         self.sorted: list[float] = []
 
-    def __len__(self) -> int:
-        return len(self.recent)
-
     @property
     def warm(self) -> bool:
         return len(self.recent) >= self.min_samples
@@ -131,9 +128,8 @@ class WorkloadModel:
         self.kv_seconds = TailWindow(p.window, p.min_samples, 0.0)
         # Largest context a multi-turn session reached (from heartbeats): its KV peak.
         self.final_context = TailWindow(p.window, p.min_samples, 0.0)
-        self.decode_tok_s = p.prior_decode_tok_s
+        self.decode_tok_s = p.prior_decode_tok_s  # the K_w prior's per-stream decode rate
         self.prompt_mean = 0.0  # EWMA of first-turn prompt tokens (for the K_w prior)
-        self.completions = 0
 
     def note_prompt(self, prompt_tokens: int) -> None:
         if self.prompt_mean == 0.0:
@@ -142,7 +138,6 @@ class WorkloadModel:
             self.prompt_mean += 0.05 * (prompt_tokens - self.prompt_mean)
 
     def observe(self, c: Completion, peak_context: int = 0) -> None:
-        self.completions += 1
         for n in c.turn_output_tokens:
             self.turn_output.add(float(n))
         self.turns.add(float(c.turns))

@@ -32,17 +32,14 @@ class Oracle(MisaT):
         lengths = self._lengths(session_id)
         return lengths[turn_index] if 0 <= turn_index < len(lengths) else None
 
-    def admission_output(self, item: PendingItem) -> float:
-        n = self._true(item.session_id, item.turn)
-        return float(n) if n is not None else super().admission_output(item)
+    def admission_output(self, s: PendingItem | ResidentSession) -> float:
+        """The true length of the turn `s` starts next (`turn` is that turn's index for a
+        pending item and a parked session alike)."""
+        n = self._true(s.session_id, s.turn)
+        return float(n) if n is not None else super().admission_output(s)
 
     def turn_output(self, session: ResidentSession, turn_index: int, progress: int) -> float:
         n = self._true(session.session_id, turn_index)
         if n is None:
             return super().turn_output(session, turn_index, progress)
         return float(max(n, progress + 1))
-
-    def admission_output_for(self, s: ResidentSession) -> float:
-        """A parked session's next turn: its true length (turn numbers count from 1)."""
-        n = self._true(s.session_id, s.turn)
-        return float(n) if n is not None else super().admission_output_for(s)

@@ -21,7 +21,7 @@ from broker.policies.base import (
     Telemetry,
 )
 from broker.policies.misa_t import MisaT
-from broker.policies.misa_t_control import AimdParams, admissible, may_admit, shares
+from broker.policies.misa_t_control import AimdParams, admissible, shares
 from broker.policies.misa_t_predictors import TailWindow
 from broker.policies.misa_t_prefix import PrefixIndex, prefix_key
 
@@ -250,6 +250,13 @@ def test_shares_follow_pi_times_kv_seconds_with_a_bounded_deficit_boost() -> Non
     assert s["a"] > 0.5  # a was consumed below target: it gets more
     s = shares({"a": 0.5, "b": 0.5}, {"a": 1.0, "b": 1.0}, {"a": 0, "b": 100}, 10.0)
     assert s["a"] == pytest.approx(2 / 2.5)  # clamped to ×2 against ×0.5
+
+
+def may_admit(workload, used, quota, waiting) -> bool:
+    """The lending rule one workload at a time: the reference `admissible` must agree with."""
+    if used.get(workload, 0.0) < quota.get(workload, 0.0):
+        return True
+    return not any(v != workload and used.get(v, 0.0) < quota.get(v, 0.0) for v in waiting)
 
 
 def test_may_admit_lends_idle_share_and_stops_lending_when_the_owner_waits() -> None:
