@@ -111,11 +111,11 @@ class CacheAware(RouterPolicy):
         )
 
     def choose(self, item: PendingItem, backends: Sequence[str], load: Mapping[str, int]) -> str:
-        loads = [load[b] for b in backends]
-        imbalanced = self.is_imbalanced(min(loads), max(loads))
         key = item.prefix
         if not key:
             return least_loaded(backends, load)
+        loads = [load[b] for b in backends]
+        imbalanced = self.is_imbalanced(min(loads), max(loads))
         matched = self.tree.match_lengths(key)
         rates = [matched.get(b, 0) / len(key) for b in backends]
         best = max(rates)

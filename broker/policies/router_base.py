@@ -57,11 +57,11 @@ class RouterPolicy(Policy):
         """
 
     def decide(self, snapshot: Snapshot) -> Decision:
-        backends = [b.backend_id for b in snapshot.backends if b.healthy]
         decision = Decision()
-        if not backends:
-            return decision
         load = {b.backend_id: b.in_flight for b in snapshot.backends if b.healthy}
+        if not load:
+            return decision
+        backends = list(load)
         for item in arrival_order(snapshot.pending):
             backend_id = self.choose(item, backends, load)
             assert backend_id in load, f"{self.name} chose {backend_id!r}, not a healthy backend"
