@@ -358,9 +358,7 @@ class MisaT(Policy):
 
     # -- allocation and admission --------------------------------------------------------
     def _charge(self, item: PendingItem) -> float:
-        model = self._model(item.workload, item.max_tokens, item.max_turns)
-        if item.turn == 0:
-            model.note_prompt(item.prompt_tokens)
+        self._model(item.workload, item.max_tokens, item.max_turns)
         if not self.config.residency_accounting:
             return float(default_reservation(item))
         charge = item.prompt_tokens + self.admission_output(item)
@@ -547,6 +545,8 @@ class MisaT(Policy):
         target.reserved += charge
         target.proj += target.need(charge, item.prompt_tokens)
         decision.admissions.append(Admission(item.session_id, b, int(charge)))
+        if item.turn == 0:  # each session's prompt counts once, when it is placed
+            self.models[item.workload].note_prompt(item.prompt_tokens)
         self._tracks[item.session_id] = _Track()
         if key is not None:
             self.prefix.insert(key, b, charge - hit)

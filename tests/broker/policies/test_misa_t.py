@@ -324,6 +324,17 @@ def test_a_blocked_under_served_workload_keeps_the_roomiest_backend(hold) -> Non
     assert placed == (["a"] * 4 if hold else ["a"] * 4 + ["b"] * 4)
 
 
+def test_a_blocked_head_is_not_counted_again_in_the_prompt_mean_on_every_call() -> None:
+    policy = make_policy("misa_t-residency", adaptive_admission=False)
+    placed = [pending(f"s{i}", prompt=100, at=float(i)) for i in range(10)]
+    policy.decide(snap([view("a", capacity=20_000)], placed))
+    assert policy.models["rlhf"].prompt_mean == 100.0
+    blocked = [pending("big", prompt=5_000, max_tokens=30_000, at=20.0)]  # fits nowhere
+    for t in range(60):
+        assert policy.decide(snap([view("a", capacity=20_000)], blocked, now=float(t))).admissions == []
+    assert policy.models["rlhf"].prompt_mean == 100.0
+
+
 def test_allocation_ablation_admits_oldest_first_across_workloads() -> None:
     policy = make_policy("misa_t-allocation", residency_accounting=False, adaptive_admission=False)
     items = [pending("y0", workload="y", at=0.0), pending("x0", workload="x", at=1.0),
