@@ -30,6 +30,7 @@ from api.models import (
 from broker.heartbeat import EngineMetrics
 from broker.keys import Keys
 from broker.ledger import parse_ledger
+from broker.mixture import mixture_drift
 from broker.streams import as_text
 
 STATUS_LUA = resources.files("api").joinpath("lua", "status.lua").read_text(encoding="utf-8")
@@ -55,12 +56,10 @@ def _valid(key_of, names) -> list[str]:
 
 
 def drift(consumed: Mapping[str, int], target: Mapping[str, float]) -> float | None:
-    """½·Σ_w |consumed share − π_w|; None with no target or nothing consumed."""
-    total = sum(consumed.values())
-    if total <= 0 or not target:
+    """`mixture_drift`, or None with no target or nothing consumed."""
+    if sum(consumed.values()) <= 0 or not target:
         return None
-    names = set(consumed) | set(target)
-    return 0.5 * sum(abs(consumed.get(w, 0) / total - target.get(w, 0.0)) for w in names)
+    return mixture_drift(consumed, target)
 
 
 def _age(stamp: str, now: float) -> float | None:

@@ -21,22 +21,13 @@ import redis
 
 from broker.keys import TRAINER_GROUP, Keys
 from broker.ledger import Ledger
+from broker.mixture import quotas
 from broker.queue import SessionQueue, validate_batch
 from broker.scripts import Scripts
 from broker.session import DEFAULT_WORKLOADS, Session, SessionResult
 from broker.streams import BacklogCursor, as_text, ensure_group
 
 MIXTURE_TOLERANCE = 1e-6
-
-
-def quotas(batch_size: int, mixture: Mapping[str, float]) -> dict[str, int]:
-    """Split `batch_size` by shares with largest remainders, so the counts sum to batch_size."""
-    raw = {w: batch_size * p for w, p in mixture.items()}
-    out = {w: math.floor(v) for w, v in raw.items()}
-    short = batch_size - sum(out.values())
-    for w in sorted(raw, key=lambda w: (out[w] - raw[w], w))[:short]:
-        out[w] += 1
-    return out
 
 
 class RolloutClient:

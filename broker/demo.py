@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from rich.table import Table
 from broker.client import RolloutClient
 from broker.heartbeat import parse_heartbeat
 from broker.keys import Keys
+from broker.mixture import mixture_drift
 from broker.policies import DEFAULT_POLICY
 from broker.redis_server import RedisHandle, ensure_redis
 from broker.session import Session, SessionResult, SessionState
@@ -135,9 +136,8 @@ class TrainerStats:
 
 
 def drift(batch: list[SessionResult], mixture: dict[str, float]) -> float:
-    """½·Σ_w |share of w in the batch − π_w| (DESIGN §6)."""
-    n = len(batch) or 1
-    return 0.5 * sum(abs(sum(r.workload == w for r in batch) / n - p) for w, p in mixture.items())
+    """`mixture_drift` of one iteration's results (0 for an empty one)."""
+    return mixture_drift(Counter(r.workload for r in batch), mixture) if batch else 0.0
 
 
 class Trainer:

@@ -14,6 +14,7 @@ from typing import Literal
 
 import numpy as np
 
+from broker.mixture import mixture_drift, quotas
 from sim.scenario import Scenario
 from sim.workloads.source import SessionSource
 from sim.workloads.truth import SimSession
@@ -101,15 +102,6 @@ def mean_iteration_time(iterations: Sequence[IterationRecord]) -> float:
     return sum(it.duration for it in iterations) / len(iterations)
 
 
-def mixture_drift(consumed: Mapping[str, int], target: Mapping[str, float]) -> float:
-    """½·Σ_w |consumed_w / B − π_w| with B = Σ consumed: 0 on target, 1 when disjoint."""
-    batch = sum(consumed.values())
-    if batch <= 0:
-        raise ValueError("consumed: empty iteration")
-    names = sorted(set(consumed) | set(target))  # fixed order: float sums must not depend on hash seeds
-    return 0.5 * sum(abs(consumed.get(w, 0) / batch - target.get(w, 0.0)) for w in names)
-
-
 def prefix_hit_rate(engines: Iterable[EngineCounters]) -> float:
     """Fleet-wide hits / queries in tokens, as vLLM counts them; 0 when nothing was looked up."""
     engines = list(engines)
@@ -177,19 +169,6 @@ def summarize(
         latency_p50_s=latency_percentile(measured, 50),
         latency_p99_s=latency_percentile(measured, 99),
     )
-
-
-def quotas(batch_size: int, target: Mapping[str, float]) -> dict[str, int]:
-    """Per-workload counts of one quota iteration: B·π_w by largest remainder, summing to B.
-
-    Ties in the remainder go to the workload whose name sorts first, for determinism.
-    """
-    exact = {w: batch_size * p for w, p in target.items()}
-    out = {w: int(np.floor(x)) for w, x in exact.items()}
-    short = batch_size - sum(out.values())
-    for w in sorted(exact, key=lambda w: (-(exact[w] - out[w]), w))[:short]:
-        out[w] += 1
-    return out
 
 
 class Trainer:
