@@ -51,7 +51,7 @@ from sim.workloads.source import SessionSource
 from sim.workloads.truth import SimSession
 
 # Event kinds, in the order they are handled at one instant.
-_RESULT, _TOOL_RETURN, _HEARTBEAT = 0, 1, 2
+_RESULT, _TOOL_RETURN, _HEARTBEAT, _ARRIVAL = 0, 1, 2, 3
 
 
 class SimulationError(RuntimeError):
@@ -132,6 +132,7 @@ class FleetSim:
         self._events: list[tuple[float, int, int, str]] = []
         self._seq = itertools.count()
         self._dirty = True  # something changed that the policy may act on
+        self._arrival_at: float | None = None  # when the scheduled trace-arrival event fires
         self.decide_calls = 0
 
     def true_output_lengths(self, session_id: str) -> tuple[int, ...]:
@@ -178,6 +179,9 @@ class FleetSim:
                     self._schedule(self.now + self.heartbeat_s, _HEARTBEAT, "")
                 elif kind == _TOOL_RETURN:
                     self._on_tool_return(self.live[sid])
+                elif kind == _ARRIVAL:
+                    self._arrival_at = None
+                    self._enqueue_from_trainer()
                 else:
                     self._on_result(self.live.pop(sid))
             # Handle everything else due at this instant before asking the policy.
@@ -200,6 +204,11 @@ class FleetSim:
             live = _Live(sim, enqueued_at=self.now, history=list(sim.session.prompt_token_ids))
             self.live[sim.session_id] = live
             self._make_pending(live)
+        # A recorded trace's next arrival is an event of its own (results may never come).
+        nxt = self.trainer.next_arrival_at()
+        if nxt is not None and nxt != self._arrival_at:
+            self._arrival_at = nxt
+            self._schedule(max(nxt, self.now), _ARRIVAL, "")
 
     def _make_pending(self, live: _Live) -> None:
         s = live.sim.session

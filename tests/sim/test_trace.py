@@ -2,6 +2,8 @@ import json
 
 import pytest
 
+from broker.policies import make_policy
+from sim.fleet import FleetSim
 from sim.metrics import Trainer
 from sim.scenario import load_scenario, parse_scenario
 from sim.trace import TraceError, _line, read_trace, with_arrivals, write_trace
@@ -90,3 +92,21 @@ def test_trace_scenario_replays_recorded_arrivals(tmp_path):
     assert trainer.next_arrival_at() == 2.0
     assert len(trainer.enqueue(100.0)) == len(sessions) - 2
     assert trainer.next_arrival_at() is None
+
+
+def test_fleet_enqueues_recorded_arrivals_at_their_time(tmp_path):
+    """A group arriving long after the first finished is enqueued at its own time, and the run
+    completes (it used to wait for a result that could no longer come)."""
+    sessions = _sessions()
+    late = {s.session_id: (0.0 if s.session.metadata["group_index"] == 0 else 500.0)
+            for s in sessions}
+    write_trace(tmp_path / "prod.jsonl", with_arrivals(sessions, late))
+    (tmp_path / "replay.yaml").write_text(
+        "name: replay\nseed: 0\nfleet: {engines: 1, profile: h200-30b-a3b}\nsource: trace\n"
+        "trace: prod.jsonl\nmixture: {rlvr: 0.5, agentic: 0.5}\n"
+        "trainer: {iterations: 2, batch_size: 4, inflight_bound: 8, arrival: recorded}\n")
+    sc = load_scenario(tmp_path / "replay.yaml")
+    sim = FleetSim(sc, make_policy("least_loaded"), make_source(sc, tmp_path / "replay.yaml"))
+    result = sim.run()
+    assert sorted(at for _, at in sim.enqueued) == [0.0] * 4 + [500.0] * 4
+    assert result.completed and len(result.iterations) == 2
