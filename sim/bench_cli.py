@@ -23,6 +23,7 @@ from sim.bench import (
     with_overrides,
     write_json,
 )
+from broker.policies.cache_aware import cache_aware_grid
 from sim.fleet import FleetResult
 from sim.scenario import load_scenario
 
@@ -44,7 +45,7 @@ def bench(scenario_path: str, policies: list[str], seed: int | None, json_out: s
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
         if SWEPT in policies:
-            grid_task = progress.add_task(f"{SWEPT}: sweep ({sweep_its} iterations each)", total=36)
+            grid_task = progress.add_task(f"{SWEPT}: sweep ({sweep_its} iterations each)", total=len(cache_aware_grid()))
             best, sweep_points = sweep_cache_aware(
                 scenario_path, seed, sweep_its, jobs,
                 on_done=lambda spec, res: progress.advance(grid_task))

@@ -46,7 +46,6 @@ class EngineStats:
     requests_finished_total: dict[FinishReason, int]
     steps_total: int
     busy_time: float  # virtual seconds spent in steps
-    kv_usage_integral: float  # ∫ kv_usage dt over busy and idle time
 
 
 @dataclass(slots=True)
@@ -108,7 +107,6 @@ class EngineCore:
         self._finished_by_reason = {r: 0 for r in FinishReason}
         self._steps = 0
         self._busy = 0.0
-        self._kv_integral = 0.0
 
     # -- requests ------------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> None:
@@ -217,7 +215,6 @@ class EngineCore:
 
     def _idle_to(self, t: float) -> None:
         if t > self.now:
-            self._kv_integral += self.kv.pool.usage() * (t - self.now)
             self.now = t
 
     def _admit_arrivals(self) -> None:
@@ -367,14 +364,12 @@ class EngineCore:
     # -- applying segments ---------------------------------------------------------------
     def _complete(self) -> None:
         plan = self._plan
-        u0 = self.kv.pool.usage()
         if isinstance(plan, _DecodeRun):
             finished = self._apply_decode_run(plan)
         else:
             finished = self._apply_step(plan)
         dt = plan.end - self.now
         self._busy += dt
-        self._kv_integral += 0.5 * (u0 + self.kv.pool.usage()) * dt
         self.now = plan.end
         self._plan = None
         for req in finished:
@@ -489,7 +484,6 @@ class EngineCore:
             requests_finished_total=dict(self._finished_by_reason),
             steps_total=self._steps,
             busy_time=self._busy,
-            kv_usage_integral=self._kv_integral,
         )
 
     def check_invariants(self) -> None:

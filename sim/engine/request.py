@@ -33,7 +33,7 @@ class EngineRequest:
         "arrival_time", "stop_len", "num_prompt_tokens", "num_output_tokens",
         "num_computed_tokens", "blocks", "block_hashes", "status", "num_cached_tokens",
         "num_preemptions", "first_token_time", "finish_time", "finish_reason", "token_seed",
-        "_output_ids", "scheduled_time", "num_cached_blocks", "vocab_size", "num_tokens",
+        "_output_ids", "num_cached_blocks", "vocab_size", "num_tokens",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
@@ -63,7 +63,6 @@ class EngineRequest:
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling (vLLM reports this)
         self.num_preemptions = 0
         self.first_token_time: float | None = None
-        self.scheduled_time: float | None = None
         self.finish_time: float | None = None
         self.finish_reason: FinishReason | None = None
         self.token_seed = 0  # seeds output token ids (set on add)

@@ -26,7 +26,6 @@ class ScheduledStep:
     scheduled: list[tuple[EngineRequest, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[EngineRequest] = field(default_factory=list)
     duration: float = 0.0
-    num_tokens: int = 0
     # Prefix-cache lookups recorded at admission: (tokens queried, tokens hit, was preempted).
     lookups: list[tuple[int, int, bool]] = field(default_factory=list)
 
@@ -121,6 +120,5 @@ class Scheduler:
                 running.append(req)
                 step.scheduled.append((req, n))
                 budget -= n
-        step.num_tokens = p.max_num_batched_tokens - budget
         step.duration = self.step_duration(step.scheduled) if step.scheduled else 0.0
         return step

@@ -72,10 +72,6 @@ class SessionTruth:
     def turns(self) -> int:
         return len(self.output_tokens)
 
-    @property
-    def total_output_tokens(self) -> int:
-        return sum(self.output_tokens)
-
     def output_token_ids(self, turn: int) -> list[int]:
         """The ids the model emits in `turn` (for an engine that wants deterministic outputs)."""
         return token_ids((self.token_seed, _OUTPUT_STREAM, turn), self.output_tokens[turn], self.vocab_size)

@@ -195,7 +195,6 @@ def _drive(profile, reqs, aborts, bulk, seed):
                for r in done}
     s = core.stats()
     counters = dataclasses.asdict(s)
-    counters.pop("kv_usage_integral")  # trapezoids over a run vs per step: equal only approximately
     return per_req, counters
 
 
