@@ -19,8 +19,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from itertools import chain, islice
 
 import redis
 
@@ -90,6 +91,7 @@ class BrokerService:
         self._front: dict[str, dict[str, _Held]] = {}
         self._back: dict[str, dict[str, _Held]] = {}
         self._meta: dict[str, ResidentMeta] = {}
+        self._unreadable: set[str] = set()  # resident sessions whose state hash did not parse
         self._workloads: tuple[str, ...] = ()
         self._last_result_id = "0-0"
         self._completions: list[Completion] = []
@@ -128,7 +130,7 @@ class BrokerService:
         self._reset_memory()
         ensure_group(self._client, self.keys.events, BROKER_GROUP, start_id="$")
         last = self._client.xrevrange(self.keys.results, count=1)
-        self._last_result_id = last[0][0].decode() if last else "0-0"
+        self._last_result_id = as_text(last[0][0]) if last else "0-0"
         fleet = self._read_fleet()
         self._refresh_workloads(fleet.workloads)
         for w in self._workloads:
@@ -139,37 +141,38 @@ class BrokerService:
     def _drop_stale_events(self) -> None:
         """Wake-ups a dead broker read but never acked: claim, ack and delete them (they only
         meant "look again", which a new broker does anyway), then forget idle consumers."""
-        start = "0-0"
-        while True:
-            reply = self._client.xautoclaim(self.keys.events, BROKER_GROUP, self.consumer,
-                                            min_idle_time=0, start_id=start, count=1000)
-            nxt = reply[0]
-            entries = [e[0] for e in reply[1]] + list(reply[2] if len(reply) > 2 else [])
-            if entries:
-                self._client.xack(self.keys.events, BROKER_GROUP, *entries)
-                self._client.xdel(self.keys.events, *entries)
-            start = nxt.decode() if isinstance(nxt, bytes) else nxt
-            if start == "0-0":
-                break
+        for entries in self._autoclaim(self.keys.events):
+            ids = [e[0] for e in entries]
+            if ids:
+                pipe = self._client.pipeline(transaction=False)
+                pipe.xack(self.keys.events, BROKER_GROUP, *ids)
+                pipe.xdel(self.keys.events, *ids)
+                pipe.execute()
         for stream in [self.keys.events] + [
                 s for w in self._workloads for s in (self.keys.requeue(w), self.keys.pending(w))]:
             for c in self._client.xinfo_consumers(stream, BROKER_GROUP):
-                name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+                name = as_text(c["name"])
                 if name != self.consumer and int(c["pending"]) == 0:
                     self._client.xgroup_delconsumer(stream, BROKER_GROUP, name)
 
     def _claim_backlog(self, stream: str, front: bool) -> None:
+        for entries in self._autoclaim(stream):
+            for entry_id, fields in entries:
+                self._hold(stream, entry_id, fields, front)
+
+    def _autoclaim(self, stream: str) -> Iterator[list[tuple[bytes, Mapping]]]:
+        """Take over every backlog entry of the group on `stream`, a page at a time (min idle
+        0: the lease guarantees the previous holder is gone). Ids whose entry was deleted
+        meanwhile are acked here and not yielded."""
         start = "0-0"
         while True:
             reply = self._client.xautoclaim(stream, BROKER_GROUP, self.consumer,
                                             min_idle_time=0, start_id=start, count=1000)
-            nxt, entries = reply[0], reply[1]
-            deleted = reply[2] if len(reply) > 2 else []
+            deleted = list(reply[2]) if len(reply) > 2 else []
             if deleted:
                 self._client.xack(stream, BROKER_GROUP, *deleted)
-            for entry_id, fields in entries:
-                self._hold(stream, entry_id, fields, front)
-            start = nxt.decode() if isinstance(nxt, bytes) else nxt
+            yield reply[1]
+            start = as_text(reply[0])
             if start == "0-0":
                 return
 
@@ -182,7 +185,7 @@ class BrokerService:
             self._workloads = workloads
 
     def _hold(self, stream: str, entry_id: bytes | str, fields: Mapping, front: bool) -> None:
-        eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        eid = as_text(entry_id)
         if not fields:  # entry deleted after delivery (XDEL): nothing to place
             self._client.xack(stream, BROKER_GROUP, eid)
             return
@@ -214,7 +217,7 @@ class BrokerService:
                                         count=self.settings.read_count, block=block_ms)
         events: list[bytes] = []
         for stream_b, entries in reply or []:
-            stream = stream_b.decode()
+            stream = as_text(stream_b)
             if stream == self.keys.events:
                 events = [e[0] for e in entries]
                 continue
@@ -249,9 +252,15 @@ class BrokerService:
                 self._meta.pop(c.session_id, None)
 
     def _load_meta(self, fleet: FleetRead) -> None:
-        """Metadata of resident sessions this broker did not admit itself (after a takeover)."""
-        missing = [sid for led in fleet.ledgers.values() for sid in led.sessions
-                   if sid not in self._meta]
+        """Metadata of resident sessions this broker did not admit itself (after a takeover);
+        forget sessions that left without a result (cancelled while admitted)."""
+        resident = [sid for led in fleet.ledgers.values() for sid in led.sessions]
+        missing = [sid for sid in resident if sid not in self._meta]
+        if len(self._meta) > len(resident) - len(missing):  # some remembered ones have left
+            keep = set(resident)
+            self._meta = {sid: m for sid, m in self._meta.items() if sid in keep}
+            self._unreadable &= keep
+        missing = [sid for sid in missing if sid not in self._unreadable]
         if not missing:
             return
         pipe = self._client.pipeline(transaction=False)
@@ -262,6 +271,7 @@ class BrokerService:
                 self._meta[sid] = resident_meta(Session.model_validate_json(body),
                                                 float(admitted_at or 0.0))
             except (TypeError, ValueError):  # unreadable hash: the view leaves it out
+                self._unreadable.add(sid)  # logged once, not re-read on every event
                 log.error("session %s: state hash unreadable; left out of the policy view", sid)
 
     # -- recovery of dead backends --------------------------------------------------------------
@@ -279,7 +289,7 @@ class BrokerService:
             pipe = self._client.pipeline(transaction=False)
             for sid in chunk:
                 pipe.hget(k.session(sid), "workload")
-            workloads = [w.decode() if w else None for w in pipe.execute()]
+            workloads = [as_text(w) if w else None for w in pipe.execute()]
             keys = [k.lease, k.heartbeat(backend_id), k.ledger(backend_id),
                     k.ledger_sessions(backend_id), k.admitted(backend_id), k.events]
             args: list = [self.lease.token, backend_id, repr(time.time())]
@@ -301,13 +311,8 @@ class BrokerService:
         out = {}
         n = self.settings.window
         for w in self._workloads:
-            items = [h.item for h in list(self._front.get(w, {}).values())[:n]]
-            if len(items) < n:
-                for h in self._back.get(w, {}).values():
-                    items.append(h.item)
-                    if len(items) >= n:
-                        break
-            out[w] = items
+            held = chain(self._front.get(w, {}).values(), self._back.get(w, {}).values())
+            out[w] = [h.item for h in islice(held, n)]
         return out
 
     def _find(self, sid: str) -> tuple[dict[str, _Held], _Held] | None:

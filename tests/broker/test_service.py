@@ -6,8 +6,10 @@ import pytest
 
 from broker.backend_sim import SimulatedBackend
 from broker.client import RolloutClient
+from broker.heartbeat import EngineMetrics
 from broker.ledger import Ledger
 from broker.keys import Keys
+from broker.worker_link import WorkerLink
 from tests.broker.helpers import BrokerThread, make_session, wait_until
 
 pytestmark = pytest.mark.timeout(90)
@@ -110,3 +112,24 @@ def test_new_completions_reach_the_policy(redis_url, namespace, fleet):
     finally:
         broker.stop()
         client.close()
+
+
+def test_a_session_cancelled_while_admitted_is_forgotten_by_the_broker(redis_url, namespace):
+    link = WorkerLink(redis_url, namespace, "idle", heartbeat_ttl_s=30.0)
+    link.register(100_000, 4096)  # admits, never runs anything
+    beat = EngineMetrics(kv_usage=0.0, running=0, waiting=0, preemptions_total=0,
+                         prefix_queries_total=0, prefix_hits_total=0)
+    link.heartbeat(beat)
+    broker = BrokerThread(redis_url, namespace).start()
+    client = RolloutClient(redis_url, namespace)
+    try:
+        client.enqueue([make_session(1)])
+        meta = broker.service._meta
+        assert wait_until(lambda: "s1" in meta, timeout=10)
+        assert client.cancel("s1") == "cancelled"
+        link.heartbeat(beat)  # any event: the broker looks again
+        assert wait_until(lambda: "s1" not in broker.service._meta, timeout=10)
+    finally:
+        broker.stop()
+        client.close()
+        link.close()
