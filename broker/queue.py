@@ -25,12 +25,17 @@ from broker.streams import as_text, ensure_group
 ENQUEUE_CHUNK = 500  # sessions per enqueue script call: bounds one script's run time
 
 
-def _first_error(exc: ValidationError) -> str:
+def _first_error(exc: ValidationError, item: str) -> str:
+    """The first error, named from `item`: `item.field: reason`, or `item: reason` when it is
+    about the item as a whole."""
     err = exc.errors()[0]
     msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
     field = ".".join(str(p) for p in err.get("loc", ()))
+    if field:
+        return f"{item}.{field}: {msg}"
     # A whole-model check has no location; its message starts with the field it is about.
-    return f"{field}: {msg}" if field else msg
+    # Anything else without one is about the item itself (e.g. not an object at all).
+    return f"{item}.{msg}" if err.get("type") == "value_error" else f"{item}: {msg}"
 
 
 def validate_batch(
@@ -52,7 +57,7 @@ def validate_batch(
             try:
                 s = Session.model_validate(raw)
             except ValidationError as exc:
-                raise ValueError(f"sessions[{i}].{_first_error(exc)}") from None
+                raise ValueError(_first_error(exc, f"sessions[{i}]")) from None
         if s.workload not in known_workloads:
             raise ValueError(
                 f"sessions[{i}].workload: unknown workload {s.workload!r}; "
@@ -139,7 +144,7 @@ def decode_entry(stream: str, entry_id: str, fields: Mapping, front: bool) -> Pe
     try:
         session = Session.model_validate_json(body)
     except ValidationError as exc:
-        return f"session JSON does not validate: {_first_error(exc)}"
+        return f"session JSON does not validate: {_first_error(exc, 'session')}"
     if session.session_id != as_text(sid):
         return f"sid {as_text(sid)!r} does not match session_id {session.session_id!r}"
     # A pending entry's id is its enqueue time (ms); a requeued one carries the original time.

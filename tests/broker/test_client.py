@@ -38,6 +38,11 @@ def test_bad_item_rejects_the_whole_batch_naming_item_and_field(client, redis_ur
     assert client.status()["pending"]["rlvr"] == 0  # nothing half-enqueued
 
 
+def test_an_item_that_is_not_an_object_is_named_by_its_index(client):
+    with pytest.raises(ValueError, match=r"^sessions\[1\]: Input should be a valid dictionary"):
+        client.enqueue([make_session(1), 5])
+
+
 def test_enqueue_returns_only_new_ids(client):
     assert client.enqueue([make_session(1), make_session(2)]) == ["s1", "s2"]
     assert client.enqueue([make_session(2), make_session(3)]) == ["s3"]
