@@ -110,8 +110,15 @@ class Ledger:
         (pipe or self._client).hset(self._keys.ledger(backend_id), "alpha", repr(float(alpha)))
 
     def max_model_len(self) -> int | None:
-        """The largest context limit among registered backends; None when none is registered."""
-        lens = [s.max_model_len for s in self.read_all().values()]
+        """The largest context limit among registered backends; None when none is registered.
+
+        Two fields per backend, not `read_all`: every enqueue asks, and the per-session
+        reservations of the whole fleet are not needed for it."""
+        ids = self.backend_ids()
+        pipe = self._client.pipeline(transaction=False)
+        for b in ids:
+            pipe.hmget(self._keys.ledger(b), "capacity", "max_model_len")
+        lens = [int(m or 0) for cap, m in pipe.execute() if cap is not None]
         return max(lens) if lens else None
 
     def kv_seconds(self) -> dict[str, tuple[float, int]]:
