@@ -117,10 +117,6 @@ class SessionQueue:
         v = self._client.hget(self._keys.session(session_id), "state")
         return None if v is None else as_text(v)
 
-    def session_fields(self, session_id: str) -> dict[str, str]:
-        raw = self._client.hgetall(self._keys.session(session_id))
-        return {as_text(k): as_text(v) for k, v in raw.items()}
-
 
 @dataclass(frozen=True, slots=True)
 class PendingEntry:
@@ -129,11 +125,10 @@ class PendingEntry:
     stream: str
     entry_id: str
     session: Session
-    front: bool  # came from the requeue stream: goes before the workload's pending entries
     enqueued_at: float  # unix seconds when the trainer enqueued it
 
 
-def decode_entry(stream: str, entry_id: str, fields: Mapping, front: bool) -> PendingEntry | str:
+def decode_entry(stream: str, entry_id: str, fields: Mapping) -> PendingEntry | str:
     """The entry, or the reason it cannot be read (the caller dead-letters it).
 
     Fields arrive with bytes keys from a client that does not decode responses."""
@@ -153,5 +148,5 @@ def decode_entry(stream: str, entry_id: str, fields: Mapping, front: bool) -> Pe
         enqueued_at = float(stamp) if stamp is not None else int(entry_id.split("-")[0]) / 1000.0
     except ValueError:
         return f"enqueued_at {stamp!r} is not a number"
-    return PendingEntry(stream=stream, entry_id=entry_id, session=session, front=front,
+    return PendingEntry(stream=stream, entry_id=entry_id, session=session,
                         enqueued_at=enqueued_at)

@@ -189,7 +189,7 @@ class BrokerService:
         if not fields:  # entry deleted after delivery (XDEL): nothing to place
             self._client.xack(stream, BROKER_GROUP, eid)
             return
-        decoded = decode_entry(stream, eid, fields, front)
+        decoded = decode_entry(stream, eid, fields)
         if isinstance(decoded, str):
             log.warning("dead-letter %s %s: %s", stream, eid, decoded)
             self._queue.dead_letter(stream, eid, fields, decoded)

@@ -27,9 +27,6 @@ class SessionState(StrEnum):
     cancelled = "cancelled"  # the trainer cancelled it before it finished
 
 
-TERMINAL_STATES = frozenset({SessionState.done, SessionState.failed, SessionState.cancelled})
-
-
 class SamplingParams(BaseModel):
     """The subset of vLLM's sampling parameters a rollout uses."""
 
