@@ -10,14 +10,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_BACKEND_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_WORKLOAD_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # as Session.workload
-_SESSION_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")  # as Session.session_id
+from broker.session import ID_RE as _SESSION_RE
+from broker.session import WORKLOAD_RE as _WORKLOAD_RE
+
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # namespaces and backend ids
 
 
 def check_backend_id(backend_id: str) -> str:
-    if not _BACKEND_RE.match(backend_id):
+    if not _NAMESPACE_RE.match(backend_id):
         raise ValueError(
             f"backend_id: {backend_id!r} must be 1-64 characters of letters, digits, '_', '.' or '-'"
         )

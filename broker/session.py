@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 DEFAULT_WORKLOADS: tuple[str, ...] = ("rlvr", "rlhf", "agentic")
 
-_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")  # session and group ids
+WORKLOAD_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # workload names
 
 
 class SessionState(StrEnum):
@@ -64,14 +65,14 @@ class Session(BaseModel):
     @field_validator("session_id", "group_id")
     @classmethod
     def _id_shape(cls, v: str | None) -> str | None:
-        if v is not None and not _ID_RE.match(v):
+        if v is not None and not ID_RE.match(v):
             raise ValueError("must be 1-128 characters of letters, digits, '_', '.', ':' or '-'")
         return v
 
     @field_validator("workload")
     @classmethod
     def _workload_shape(cls, v: str) -> str:
-        if not re.match(r"^[a-z][a-z0-9_]{0,31}$", v):
+        if not WORKLOAD_RE.match(v):
             raise ValueError("must be a lowercase name of at most 32 characters")
         return v
 
