@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 # Where FastAPI found a bad input; the field name already says it.
@@ -64,16 +65,25 @@ def install(app: FastAPI) -> None:
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0] if exc.errors() else {}
         reason = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
-        field = field_path(err.get("loc", ()))
+        loc = err.get("loc", ())
+        # A body that is not JSON at all is located at a character offset: it is the body.
+        field = "body" if err.get("type") == "json_invalid" else field_path(loc)
+        if field is None and loc:
+            field = str(loc[0])  # the whole body (or query, ...) is what is wrong
         inner, rest = split_message(reason)
         if inner is not None and field is not None and "." not in inner and "[" not in inner:
             # a whole-model check names its field first: "prompt: give exactly one ..."
             field, reason = f"{field}.{inner}", rest
         return JSONResponse(_body(field, reason), status_code=422)
 
+    @app.exception_handler(RedisError)
+    async def _redis_down(_: Request, exc: RedisError) -> JSONResponse:
+        # Redis unreachable or failing: the service is unavailable, not broken.
+        return JSONResponse(_body(None, f"redis: {type(exc).__name__}: {exc}"), status_code=503)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # FastAPI's only 400 is a body that is not JSON at all.
+        # A 400 is a body FastAPI could not parse (a form it cannot read, say).
         field = "body" if exc.status_code == 400 else None
         return JSONResponse(_body(field, str(exc.detail)), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))

@@ -21,8 +21,6 @@ class ApiSettings(BaseSettings):
     # The "last window" of consumed mixture and the throughput windows, in seconds.
     mixture_window_s: float = Field(default=60.0, gt=0)
     throughput_windows_s: tuple[float, ...] = (60.0, 300.0)
-    # Largest batch one POST /v1/sessions accepts.
-    max_batch: int = Field(default=10_000, ge=1)
 
 
 @lru_cache

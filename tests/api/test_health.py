@@ -38,3 +38,12 @@ def test_creating_the_app_connects_to_nothing():
     app = create_app(ApiSettings(redis_url="redis://127.0.0.1:1/0"))  # nothing listens there
     assert app.state.rollout_client is None
     assert {"/v1/status", "/metrics", "/readyz"} <= set(app.openapi()["paths"])
+
+
+def test_redis_down_is_a_json_503_on_every_endpoint():
+    settings = ApiSettings(redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    with TestClient(create_app(settings)) as client:
+        for path in ("/v1/status", "/v1/backends", "/metrics", "/v1/mixture"):
+            r = client.get(path)
+            assert r.status_code == 503, path
+            assert r.json()["field"] is None and r.json()["reason"].startswith("redis:"), path

@@ -98,3 +98,15 @@ def test_cancel_a_resident_session_releases_its_reservation(api, fleet):
     assert api.delete("/v1/sessions/s1").json()["cancelled"] is True
     b0 = api.get("/v1/backends").json()[0]
     assert b0["reserved_tokens"] == 0 and b0["sessions"] == 0
+
+
+@pytest.mark.parametrize("body", [b"not json", b'{"sessions": x}'])
+def test_a_body_that_is_not_json_is_named_as_the_body(api, body):
+    r = api.post("/v1/sessions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    assert r.json()["field"] == "body" and r.json()["reason"]
+
+
+def test_an_empty_body_is_named_as_the_body(api):
+    r = api.post("/v1/sessions", content=b"", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["field"] == "body"
