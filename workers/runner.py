@@ -19,7 +19,14 @@ import httpx
 from broker.heartbeat import SessionProgress
 from broker.session import Session, SessionResult, SessionState
 from broker.worker_link import CompletionStats
-from workers.tools import RewardCall, ToolCall, ToolError, ToolExecutor
+from workers.tools import (
+    RewardCall,
+    ToolCall,
+    ToolError,
+    ToolExecutor,
+    describe_error,
+    per_turn_value,
+)
 
 DEFAULT_TOOL = "sim"
 DEFAULT_SCORER = "parity"
@@ -71,11 +78,8 @@ class Outcome:
 
 def _sim_output_len(session: Session, turn: int) -> int | None:
     """A simulated session's true output length for `turn` (metadata `sim_output_tokens`)."""
-    raw = session.metadata.get("sim_output_tokens")
-    if not isinstance(raw, str) or not raw:
-        return None
-    parts = raw.split(",")
-    return int(parts[turn]) if turn < len(parts) else None
+    n = per_turn_value(session.metadata, "sim_output_tokens", turn)
+    return None if n is None else int(n)
 
 
 class SessionRunner:
@@ -128,7 +132,7 @@ class SessionRunner:
                 last = f"timed out after {cfg.request_timeout_s:g}s"
                 continue
             except httpx.TransportError as exc:
-                last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                last = describe_error(exc)
                 continue
             if r.status_code < 400:
                 return r.json()

@@ -80,7 +80,7 @@ def _seed(session_id: str, metadata: Metadata) -> int:
     return int(metadata.get("sim_seed", zlib.crc32(session_id.encode())))
 
 
-def _per_turn(metadata: Metadata, key: str, turn: int) -> float | None:
+def per_turn_value(metadata: Metadata, key: str, turn: int) -> float | None:
     """Turn `turn`'s value of a comma-separated list in metadata (a simulated session's truth)."""
     raw = metadata.get(key)
     if not isinstance(raw, str) or not raw:
@@ -104,10 +104,10 @@ def sim_tool(call: dict) -> dict:
     m = c.metadata
     seed = _seed(c.session_id, m)
     rng = np.random.default_rng([seed, 3, c.turn])
-    latency = _per_turn(m, "sim_tool_latency_s", c.turn)
+    latency = per_turn_value(m, "sim_tool_latency_s", c.turn)
     if latency is None:
         latency = 0.15 * math.exp(rng.standard_normal())
-    n_obs = _per_turn(m, "sim_observation_tokens", c.turn)
+    n_obs = per_turn_value(m, "sim_observation_tokens", c.turn)
     if n_obs is None:
         n_obs = min(2048.0, 200 * math.exp(rng.standard_normal()))
     time.sleep(latency / c.time_scale)
@@ -164,7 +164,7 @@ class ToolExecutor(Protocol):
     async def aclose(self) -> None: ...
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
@@ -202,7 +202,7 @@ class InlineExecutor:
         except ToolError:
             raise
         except Exception as exc:  # the tool's own failure becomes the session's reason
-            raise ToolError(f"{what}: {_describe(exc)}") from None
+            raise ToolError(f"{what}: {describe_error(exc)}") from None
 
     async def call_tool(self, call: ToolCall) -> ToolOutcome:
         out = await self._run(f"tool {call.tool}", run_tool, call.model_dump())
@@ -282,7 +282,7 @@ class RqExecutor:
                 done = await asyncio.to_thread(self._statuses, ids)
             except Exception as exc:  # Redis hiccup: try again next tick
                 done = {}
-                last_error = _describe(exc)
+                last_error = describe_error(exc)
             else:
                 last_error = ""
             now = time.monotonic()
