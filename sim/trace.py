@@ -55,15 +55,7 @@ def _line(s: SimSession) -> str:
         "v": TRACE_VERSION,
         "arrival_at": s.arrival_at,
         "session": s.session.model_dump(mode="json"),
-        "truth": {
-            "output_tokens": list(s.truth.output_tokens),
-            "truncated": list(s.truth.truncated),
-            "tool_latency_s": list(s.truth.tool_latency_s),
-            "observation_tokens": list(s.truth.observation_tokens),
-            "final_latency_s": s.truth.final_latency_s,
-            "token_seed": s.truth.token_seed,
-            "vocab_size": s.truth.vocab_size,
-        },
+        "truth": dataclasses.asdict(s.truth),  # its fields, in order; tuples become lists
     }
     return json.dumps(record, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 

@@ -48,7 +48,7 @@ class Generation:
 
     def usage(self) -> UsageInfo:
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
-        completion = sum(len(r.output_token_ids) for r in self.requests)
+        completion = sum(r.num_output_tokens for r in self.requests)
         cached = sum(self.requests[i * self.n].num_cached_tokens for i in range(len(self.prompts)))
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
                          total_tokens=prompt_tokens + completion,
