@@ -358,7 +358,7 @@ class MisaT(Policy):
 
     # -- allocation and admission --------------------------------------------------------
     def _charge(self, item: PendingItem) -> float:
-        self._model(item.workload, item.max_tokens, item.max_turns)
+        self._model(item.workload, item.max_tokens, item.max_turns)  # seeded from its caps
         if not self.config.residency_accounting:
             return float(default_reservation(item))
         charge = item.prompt_tokens + self.admission_output(item)
