@@ -23,11 +23,14 @@ Each `decide(snapshot)`:
    fit α_b·C_b. Follow-up turns (`turn > 0`) go home unconditionally.
 
 Switches (`MisaTConfig`) turn off each mechanism; the ablations `misa_t-admission`,
-`misa_t-allocation` and `misa_t-residency` are MISA-T with that one switch off.
+`misa_t-allocation` and `misa_t-residency` are MISA-T with that one switch off. The variant
+`misa_t-paced` adds mixture pacing to step 5: a workload whose share of the expected completion
+rate is above π_w admits nothing more while others run (misa_t_control.CompletionPacer).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,7 +48,7 @@ from broker.policies.base import (
     Telemetry,
     default_reservation,
 )
-from broker.policies.misa_t_control import AimdParams, admissible, shares
+from broker.policies.misa_t_control import AimdParams, CompletionPacer, admissible, shares
 from broker.policies.misa_t_predictors import PredictorParams, WorkloadModel
 from broker.policies.misa_t_prefix import PrefixIndex, PrefixKey, prefix_key
 
@@ -69,6 +72,11 @@ class MisaTConfig:
     # A workload below its share whose oldest session fits nowhere keeps the backend closest
     # to fitting it (most headroom) for itself within the call; off: pure work conservation.
     hold_for_blocked: bool = True
+    # Mixture pacing (misa_t_control.CompletionPacer), off at inf: a workload whose share of
+    # the expected completion rate is above (1 + pace_tolerance)·π_w admits nothing more
+    # while others run. It trades throughput for drift in fifo consumption (docs §0d); the
+    # `misa_t-paced` variant sets 0.
+    pace_tolerance: float = math.inf
     locality_slack: float = 0.15  # prefer a prefix match only within this utilisation of the least used
     recharge_tolerance: float = 0.05  # re-charge only when a charge moves by more than this fraction
     # Re-evaluate a session's charge once it has produced this many tokens more (~6 s of decode
@@ -420,6 +428,7 @@ class MisaT(Policy):
                 cfg.deficit_gain,
             )
             quota = {w: s * total for w, s in sigma.items()}
+        pacer = self._pacer(snapshot, fresh) if cfg.workload_allocation else None
         cursor = dict.fromkeys(fresh, 0)
         live = set(fresh)
         held: dict[str, _Backend] = {}  # workload -> the backend kept for its blocked oldest
@@ -431,6 +440,9 @@ class MisaT(Policy):
                 # (`live` holds exactly the workloads with sessions still to place.)
                 allowed = admissible(live, used, quota)
                 w = min(allowed, key=lambda v: (used.get(v, 0.0) / max(quota.get(v, 0.0), 1e-9), v))
+                if pacer is not None and pacer.ahead(w):
+                    live.discard(w)  # its completions would crowd the next batches
+                    continue
             else:
                 w = min(live, key=lambda v: (fresh[v][cursor[v]].enqueued_at, v))
             pool = pools.get(w)
@@ -454,8 +466,31 @@ class MisaT(Policy):
                 continue
             used[w] = used.get(w, 0.0) + charged
             cursor[w] += taken
+            if pacer is not None:
+                pacer.admitted(w, taken)
             if cursor[w] >= len(fresh[w]):
                 live.discard(w)
+
+    def _pacer(
+        self, snapshot: Snapshot, fresh: Mapping[str, Sequence[PendingItem]]
+    ) -> CompletionPacer | None:
+        """The mixture pacer for this call, or None when pacing is off."""
+        if self.config.pace_tolerance == math.inf:
+            return None
+        in_flight: dict[str, int] = {}
+        for view in snapshot.backends:
+            for s in view.sessions:
+                in_flight[s.workload] = in_flight.get(s.workload, 0) + 1
+        duration: dict[str, float] = {}
+        for w in snapshot.mixture_target.keys() | fresh.keys():
+            model = self.models.get(w)
+            if model is None and w in fresh:
+                head = fresh[w][0]
+                model = self._model(w, head.max_tokens, head.max_turns)
+            if model is not None:
+                duration[w] = max(model.duration_s(), 1e-3)
+        return CompletionPacer.start(
+            snapshot.mixture_target, self.config.pace_tolerance, duration, in_flight)
 
     def _admit_next(
         self,
@@ -552,9 +587,9 @@ class MisaT(Policy):
             self.prefix.insert(key, b, charge - hit)
 
 
-def _variant(name: str, **switches: bool) -> Callable[..., MisaT]:
+def _variant(name: str, **settings: Any) -> Callable[..., MisaT]:
     def make(**params: Any) -> MisaT:
-        policy = MisaT(**switches, **params)
+        policy = MisaT(**{**settings, **params})
         policy.name = name
         return policy
 
@@ -564,3 +599,6 @@ def _variant(name: str, **switches: bool) -> Callable[..., MisaT]:
 register_factory("misa_t-admission", _variant("misa_t-admission", adaptive_admission=False))
 register_factory("misa_t-allocation", _variant("misa_t-allocation", workload_allocation=False))
 register_factory("misa_t-residency", _variant("misa_t-residency", residency_accounting=False))
+# Not an ablation: MISA-T with mixture pacing, for trainers that value the mixture over
+# throughput (docs §0d).
+register_factory("misa_t-paced", _variant("misa_t-paced", pace_tolerance=0.0))

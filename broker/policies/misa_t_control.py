@@ -9,12 +9,16 @@ backend has been calm for `calm_s`, work is pending and α is what binds.
 admitted capacity, a deficit counter on consumed-vs-target nudging σ, lending to whoever has
 pending work while a share sits idle, and reclaiming only by not lending any more (a borrowed
 reservation is never taken back: it goes back as the borrower finishes).
+
+`CompletionPacer` is the optional mixture pacing of the `misa_t-paced` variant: in `fifo`
+consumption the trainer's next batches are whatever finishes next, so a workload whose sessions
+would finish faster than its share π_w admits nothing more while others run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from broker.policies.base import Telemetry
 
@@ -118,3 +122,43 @@ def admissible(
     below = [w for w in waiting if used.get(w, 0.0) < quota.get(w, 0.0)]
     return below or waiting
 
+
+
+@dataclass(slots=True)
+class CompletionPacer:
+    """Keeps each workload's share of the completion stream near π_w (mixture pacing).
+
+    By Little's law a workload with n_w sessions in flight and a mean admission-to-finish time
+    of d_w finishes n_w/d_w sessions per second; in `fifo` consumption those rates' shares are
+    the mix of the trainer's next batches. A workload is *ahead* while its rate exceeds
+    (1 + tolerance)·π_w of the total and other workloads have sessions in flight; an ahead
+    workload admits nothing more in this call. The test comes before each admission, so the
+    workload furthest behind can always admit (no stall), and one that runs alone is never
+    ahead (no idle fleet). A workload without a share runs one session at a time while
+    others run.
+    """
+
+    target: Mapping[str, float]  # π_w
+    tolerance: float
+    duration_s: Mapping[str, float]  # d_w, > 0
+    rate: dict[str, float] = field(default_factory=dict)  # n_w / d_w, admissions included
+
+    @classmethod
+    def start(
+        cls,
+        target: Mapping[str, float],
+        tolerance: float,
+        duration_s: Mapping[str, float],
+        in_flight: Mapping[str, int],
+    ) -> CompletionPacer:
+        rate = {w: n / duration_s[w] for w, n in in_flight.items() if w in duration_s}
+        return cls(target, tolerance, duration_s, rate)
+
+    def ahead(self, workload: str) -> bool:
+        mine = self.rate.get(workload, 0.0)
+        total = sum(self.rate.values())
+        return total > mine and mine > (1.0 + self.tolerance) * self.target.get(workload, 0.0) * total
+
+    def admitted(self, workload: str, sessions: int) -> None:
+        if workload in self.duration_s:
+            self.rate[workload] = self.rate.get(workload, 0.0) + sessions / self.duration_s[workload]

@@ -10,7 +10,8 @@ a lookup it is *given*, and that is the only side channel (see oracle.py).
   rare monster does not set everyone's charge). Until `min_samples` arrive it answers from a
   conservative prior (the cap).
 - `WorkloadModel`: per workload, the windows the policy needs — output per turn, final context
-  of multi-turn sessions, tool wait per gap — and K_w, the mean KV·token-seconds per session.
+  of multi-turn sessions, tool wait per gap, admission-to-finish time — and K_w, the mean
+  KV·token-seconds per session.
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ class WorkloadModel:
         self.final_context = TailWindow(p.window, p.min_samples, 0.0)
         self.decode_tok_s = p.prior_decode_tok_s  # the K_w prior's per-stream decode rate
         self.prompt_mean = 0.0  # EWMA of first-turn prompt tokens (for the K_w prior)
+        self.duration = TailWindow(p.window, p.min_samples, 0.0)  # admitted -> finished, seconds
 
     def note_prompt(self, prompt_tokens: int) -> None:
         if self.prompt_mean == 0.0:
@@ -144,8 +146,17 @@ class WorkloadModel:
         if c.turns > 1:
             self.tool_wait.add(c.tool_wait_s / (c.turns - 1))
         self.kv_seconds.add(c.kv_token_seconds)
+        self.duration.add(c.finished_at - c.admitted_at)
         if c.turns > 1:
             self.final_context.add(float(max(peak_context, c.prompt_tokens + c.output_tokens)))
+
+    def duration_s(self) -> float:
+        """Mean seconds from admission to finish; before enough completions, from the caps."""
+        if self.duration.warm:
+            return self.duration.mean()
+        length = self.turn_output.quantile(0.5)
+        turns = self.turns.quantile(0.5)
+        return turns * length / self.decode_tok_s + (turns - 1) * self.tool_wait.quantile(0.5)
 
     def kv_seconds_per_session(self) -> float:
         """K_w: mean KV·token-seconds a session of this workload holds over its residency.

@@ -21,7 +21,7 @@ from broker.policies.base import (
     Telemetry,
 )
 from broker.policies.misa_t import MisaT
-from broker.policies.misa_t_control import AimdParams, admissible, shares
+from broker.policies.misa_t_control import AimdParams, CompletionPacer, admissible, shares
 from broker.policies.misa_t_predictors import TailWindow
 from broker.policies.misa_t_prefix import PrefixIndex, prefix_key
 
@@ -65,11 +65,12 @@ def snap(backends, items=(), *, now=0.0, target=None, consumed=None, done=()) ->
                     consumed=consumed or {}, new_completions=tuple(done))
 
 
-def completion(sid, *, workload="rlhf", out=500, turns=1, tool_wait=0.0, kv_s=1e5) -> Completion:
+def completion(sid, *, workload="rlhf", out=500, turns=1, tool_wait=0.0, kv_s=1e5,
+               duration=1.0) -> Completion:
     return Completion(session_id=sid, workload=workload, backend_id="a", prompt_tokens=100,
                       output_tokens=out * turns, turn_output_tokens=(out,) * turns, turns=turns,
                       tool_wait_s=tool_wait, kv_token_seconds=kv_s, admitted_at=0.0,
-                      finished_at=1.0, truncated=False)
+                      finished_at=duration, truncated=False)
 
 
 # -- adaptive admission (AIMD) ---------------------------------------------------------------
@@ -341,6 +342,49 @@ def test_allocation_ablation_admits_oldest_first_across_workloads() -> None:
              pending("y1", workload="y", at=2.0)]
     d = policy.decide(_two_workload_snap([], items, capacity=2300))
     assert [a.session_id for a in d.admissions] == ["y0", "x0"]
+
+
+def test_pacer_holds_back_only_a_workload_ahead_in_the_completion_stream() -> None:
+    # x: 10 in flight, 100 s each -> 0.1 finishes/s; y: 10 s each. π = 0.5 / 0.5.
+    pacer = CompletionPacer.start({"x": 0.5, "y": 0.5}, 0.0, {"x": 100.0, "y": 10.0}, {"x": 10})
+    assert not pacer.ahead("y") and not pacer.ahead("x")  # x runs alone: nobody is ahead
+    pacer.admitted("y", 1)  # y: 0.1/s of 0.2/s total, exactly its share
+    assert not pacer.ahead("y") and not pacer.ahead("x")
+    pacer.admitted("y", 1)  # y: 0.2/s of 0.3/s
+    assert pacer.ahead("y") and not pacer.ahead("x")
+    assert CompletionPacer.start({"x": 0.5, "y": 0.5}, 1.0, {"x": 100.0, "y": 10.0},
+                                 {"x": 10, "y": 2}).ahead("y") is False  # 2/3 ≤ (1 + 1)·0.5
+
+
+def test_pacer_never_holds_back_the_only_running_workload_or_stalls_an_empty_fleet() -> None:
+    durations = {"x": 100.0, "y": 10.0, "z": 5.0}
+    empty = CompletionPacer.start({"x": 0.5, "y": 0.5}, 0.0, durations, {})
+    assert not any(empty.ahead(w) for w in durations)
+    alone = CompletionPacer.start({"x": 0.5, "y": 0.5}, 0.0, durations, {"y": 50})
+    assert not alone.ahead("y") and not alone.ahead("z")
+    alone.admitted("z", 1)  # z has no share of the mixture: one at a time while others run
+    assert alone.ahead("z")
+
+
+def test_paced_variant_admits_a_fast_workload_only_up_to_its_share_of_completions() -> None:
+    target = {"x": 0.5, "y": 0.5}
+    runs = {}
+    for name in ("misa_t", "misa_t-paced"):
+        policy = make_policy(name, adaptive_admission=False)
+        first = [pending("x0", workload="x"), pending("y0", workload="y")]
+        assert len(policy.decide(snap([view("a")], first, target=target)).admissions) == 2
+        done = [completion(f"x{i}", workload="x", duration=100.0) for i in range(1, 17)]
+        done += [completion(f"y{i}", workload="y", duration=10.0) for i in range(1, 17)]
+        xs = [resident(f"x{i}", workload="x", reserved=600) for i in range(20, 30)]
+        ys = [pending(f"y{i}", workload="y", at=float(i)) for i in range(20, 40)]
+        d = policy.decide(snap([view("a", *xs)], ys, target=target, done=done, now=1.0))
+        runs[name] = [a.session_id for a in d.admissions]
+    # 10 x sessions finish 0.1/s; each y admitted adds 0.1/s: y may run two (it admits while
+    # at or below its half of the total before the admission), then it is ahead.
+    assert runs["misa_t-paced"] == ["y20", "y21"]
+    assert len(runs["misa_t"]) == 20  # unpaced: the room decides, and there is room for all
+    paced = make_policy("misa_t-paced")
+    assert paced.config.pace_tolerance == 0.0 and MisaT().config.pace_tolerance == float("inf")
 
 
 # -- placement -------------------------------------------------------------------------------
