@@ -15,7 +15,7 @@ from pathlib import Path
 from sim.bench import BASELINES, ORACLE, SWEPT
 
 ORDER = ("round_robin", "least_loaded", "power_of_two", "cache_aware", SWEPT, "misa_t",
-         "misa_t-admission", "misa_t-allocation", "misa_t-residency", ORACLE)
+         "misa_t-admission", "misa_t-allocation", "misa_t-residency", "misa_t-paced", ORACLE)
 
 
 def label(name: str, entry: dict) -> str:

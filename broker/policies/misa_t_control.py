@@ -123,7 +123,6 @@ def admissible(
     return below or waiting
 
 
-
 @dataclass(slots=True)
 class CompletionPacer:
     """Keeps each workload's share of the completion stream near π_w (mixture pacing).
@@ -134,8 +133,8 @@ class CompletionPacer:
     (1 + tolerance)·π_w of the total and other workloads have sessions in flight; an ahead
     workload admits nothing more in this call. The test comes before each admission, so the
     workload furthest behind can always admit (no stall), and one that runs alone is never
-    ahead (no idle fleet). A workload without a share runs one session at a time while
-    others run.
+    ahead (no idle fleet). A workload without a share keeps at most one placement (a session
+    or a GRPO group) in flight while others run.
     """
 
     target: Mapping[str, float]  # π_w

@@ -362,7 +362,7 @@ def test_pacer_never_holds_back_the_only_running_workload_or_stalls_an_empty_fle
     assert not any(empty.ahead(w) for w in durations)
     alone = CompletionPacer.start({"x": 0.5, "y": 0.5}, 0.0, durations, {"y": 50})
     assert not alone.ahead("y") and not alone.ahead("z")
-    alone.admitted("z", 1)  # z has no share of the mixture: one at a time while others run
+    alone.admitted("z", 1)  # z has no share of the mixture: one placement in flight at most
     assert alone.ahead("z")
 
 
