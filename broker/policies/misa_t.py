@@ -24,8 +24,9 @@ Each `decide(snapshot)`:
 
 Switches (`MisaTConfig`) turn off each mechanism; the ablations `misa_t-admission`,
 `misa_t-allocation` and `misa_t-residency` are MISA-T with that one switch off. The variant
-`misa_t-paced` adds mixture pacing to step 5: a workload whose share of the expected completion
-rate is above π_w admits nothing more while others run (misa_t_control.CompletionPacer).
+`misa_t-paced` adds mixture pacing to step 5: a workload that finishes sooner than the mixture's
+mean session and whose share of the expected completion rate is above π_w admits nothing more
+while others run (misa_t_control.CompletionPacer).
 """
 
 from __future__ import annotations
@@ -72,11 +73,13 @@ class MisaTConfig:
     # A workload below its share whose oldest session fits nowhere keeps the backend closest
     # to fitting it (most headroom) for itself within the call; off: pure work conservation.
     hold_for_blocked: bool = True
-    # Mixture pacing (misa_t_control.CompletionPacer), off at inf: a workload whose share of
-    # the expected completion rate is above (1 + pace_tolerance)·π_w admits nothing more
-    # while others run. It trades throughput for drift in fifo consumption (docs §0d); the
-    # `misa_t-paced` variant sets 0.
+    # Mixture pacing (misa_t_control.CompletionPacer), off at inf: a workload in `pace_scope`
+    # ("fast": finishing sooner than the mixture's mean session; "all") whose share of the
+    # expected completion rate is above (1 + pace_tolerance)·π_w admits nothing more while
+    # others run. It trades throughput for drift in fifo consumption (docs §0d); the
+    # `misa_t-paced` variant sets 0 and "fast".
     pace_tolerance: float = math.inf
+    pace_scope: str = "fast"
     locality_slack: float = 0.15  # prefer a prefix match only within this utilisation of the least used
     recharge_tolerance: float = 0.05  # re-charge only when a charge moves by more than this fraction
     # Re-evaluate a session's charge once it has produced this many tokens more (~6 s of decode
@@ -489,8 +492,8 @@ class MisaT(Policy):
                 model = self._model(w, head.max_tokens, head.max_turns)
             if model is not None:
                 duration[w] = max(model.duration_s(), 1e-3)
-        return CompletionPacer.start(
-            snapshot.mixture_target, self.config.pace_tolerance, duration, in_flight)
+        return CompletionPacer.start(snapshot.mixture_target, self.config.pace_tolerance,
+                                     duration, in_flight, self.config.pace_scope)
 
     def _admit_next(
         self,

@@ -12,7 +12,7 @@ reservation is never taken back: it goes back as the borrower finishes).
 
 `CompletionPacer` is the optional mixture pacing of the `misa_t-paced` variant: in `fifo`
 consumption the trainer's next batches are whatever finishes next, so a workload whose sessions
-would finish faster than its share π_w admits nothing more while others run.
+would finish faster than its share π_w allows admits nothing more while others run.
 """
 
 from __future__ import annotations
@@ -129,17 +129,24 @@ class CompletionPacer:
 
     By Little's law a workload with n_w sessions in flight and a mean admission-to-finish time
     of d_w finishes n_w/d_w sessions per second; in `fifo` consumption those rates' shares are
-    the mix of the trainer's next batches. A workload is *ahead* while its rate exceeds
+    the mix of the trainer's next batches. A paced workload is *ahead* while its rate exceeds
     (1 + tolerance)·π_w of the total and other workloads have sessions in flight; an ahead
     workload admits nothing more in this call. The test comes before each admission, so the
     workload furthest behind can always admit (no stall), and one that runs alone is never
     ahead (no idle fleet). A workload without a share keeps at most one placement (a session
     or a GRPO group) in flight while others run.
+
+    Scope `fast` paces only workloads whose sessions finish sooner than the mixture's mean
+    session (d_w < Σ π_v·d_v): their admissions land in the next batches, and holding one back
+    costs seconds of its own work. Holding back a slow workload idles its KV for minutes and
+    shapes completions too far ahead to steer the next batches. Scope `all` paces every
+    workload (docs/misa-t.md §0d measures both).
     """
 
     target: Mapping[str, float]  # π_w
     tolerance: float
     duration_s: Mapping[str, float]  # d_w, > 0
+    paced: frozenset[str]  # the workloads this pacer may hold back
     rate: dict[str, float] = field(default_factory=dict)  # n_w / d_w, admissions included
 
     @classmethod
@@ -149,11 +156,21 @@ class CompletionPacer:
         tolerance: float,
         duration_s: Mapping[str, float],
         in_flight: Mapping[str, int],
+        scope: str,
     ) -> CompletionPacer:
+        if scope not in ("all", "fast"):
+            raise ValueError(f"pace_scope: {scope!r} is not 'all' or 'fast'")
+        paced = frozenset(duration_s)
+        if scope == "fast":
+            weight = sum(target.get(w, 0.0) for w in duration_s)
+            mean = sum(target.get(w, 0.0) * d for w, d in duration_s.items()) / weight if weight else 0.0
+            paced = frozenset(w for w, d in duration_s.items() if d < mean)
         rate = {w: n / duration_s[w] for w, n in in_flight.items() if w in duration_s}
-        return cls(target, tolerance, duration_s, rate)
+        return cls(target, tolerance, duration_s, paced, rate)
 
     def ahead(self, workload: str) -> bool:
+        if workload not in self.paced:
+            return False
         mine = self.rate.get(workload, 0.0)
         total = sum(self.rate.values())
         return total > mine and mine > (1.0 + self.tolerance) * self.target.get(workload, 0.0) * total

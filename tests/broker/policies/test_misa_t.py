@@ -346,21 +346,33 @@ def test_allocation_ablation_admits_oldest_first_across_workloads() -> None:
 
 def test_pacer_holds_back_only_a_workload_ahead_in_the_completion_stream() -> None:
     # x: 10 in flight, 100 s each -> 0.1 finishes/s; y: 10 s each. π = 0.5 / 0.5.
-    pacer = CompletionPacer.start({"x": 0.5, "y": 0.5}, 0.0, {"x": 100.0, "y": 10.0}, {"x": 10})
+    pacer = CompletionPacer.start({"x": 0.5, "y": 0.5}, 0.0, {"x": 100.0, "y": 10.0}, {"x": 10}, "all")
     assert not pacer.ahead("y") and not pacer.ahead("x")  # x runs alone: nobody is ahead
     pacer.admitted("y", 1)  # y: 0.1/s of 0.2/s total, exactly its share
     assert not pacer.ahead("y") and not pacer.ahead("x")
     pacer.admitted("y", 1)  # y: 0.2/s of 0.3/s
     assert pacer.ahead("y") and not pacer.ahead("x")
     assert CompletionPacer.start({"x": 0.5, "y": 0.5}, 1.0, {"x": 100.0, "y": 10.0},
-                                 {"x": 10, "y": 2}).ahead("y") is False  # 2/3 ≤ (1 + 1)·0.5
+                                 {"x": 10, "y": 2}, "all").ahead("y") is False  # 2/3 ≤ (1 + 1)·0.5
+
+
+def test_fast_scope_paces_only_workloads_quicker_than_the_mixtures_mean_session() -> None:
+    # Mean session: 0.5·100 + 0.5·10 = 55 s. x (100 s) is slow, y (10 s) is fast.
+    def start(scope: str, flight: dict[str, int]) -> CompletionPacer:
+        return CompletionPacer.start({"x": 0.5, "y": 0.5}, 0.0, {"x": 100.0, "y": 10.0}, flight, scope)
+
+    assert start("all", {"x": 100, "y": 1}).ahead("x")  # x: 1.0/s of 1.1/s
+    assert not start("fast", {"x": 100, "y": 1}).ahead("x")  # slow: never held back
+    assert start("fast", {"x": 1, "y": 10}).ahead("y")  # y: 1.0/s of 1.01/s
+    with pytest.raises(ValueError, match="pace_scope"):
+        start("some", {})
 
 
 def test_pacer_never_holds_back_the_only_running_workload_or_stalls_an_empty_fleet() -> None:
     durations = {"x": 100.0, "y": 10.0, "z": 5.0}
-    empty = CompletionPacer.start({"x": 0.5, "y": 0.5}, 0.0, durations, {})
+    empty = CompletionPacer.start({"x": 0.5, "y": 0.5}, 0.0, durations, {}, "all")
     assert not any(empty.ahead(w) for w in durations)
-    alone = CompletionPacer.start({"x": 0.5, "y": 0.5}, 0.0, durations, {"y": 50})
+    alone = CompletionPacer.start({"x": 0.5, "y": 0.5}, 0.0, durations, {"y": 50}, "all")
     assert not alone.ahead("y") and not alone.ahead("z")
     alone.admitted("z", 1)  # z has no share of the mixture: one placement in flight at most
     assert alone.ahead("z")
@@ -384,7 +396,8 @@ def test_paced_variant_admits_a_fast_workload_only_up_to_its_share_of_completion
     assert runs["misa_t-paced"] == ["y20", "y21"]
     assert len(runs["misa_t"]) == 20  # unpaced: the room decides, and there is room for all
     paced = make_policy("misa_t-paced")
-    assert paced.config.pace_tolerance == 0.0 and MisaT().config.pace_tolerance == float("inf")
+    assert (paced.config.pace_tolerance, paced.config.pace_scope) == (0.0, "fast")
+    assert MisaT().config.pace_tolerance == float("inf")
 
 
 # -- placement -------------------------------------------------------------------------------
