@@ -602,6 +602,7 @@ def _variant(name: str, **settings: Any) -> Callable[..., MisaT]:
 register_factory("misa_t-admission", _variant("misa_t-admission", adaptive_admission=False))
 register_factory("misa_t-allocation", _variant("misa_t-allocation", workload_allocation=False))
 register_factory("misa_t-residency", _variant("misa_t-residency", residency_accounting=False))
-# Not an ablation: MISA-T with mixture pacing, for trainers that value the mixture over
-# throughput (docs §0d).
+# Not an ablation: MISA-T with mixture pacing, for fifo trainers that keep enough sessions in
+# flight to fill the KV cache; where the trainer's buffer is the limit it costs throughput
+# (docs §0d).
 register_factory("misa_t-paced", _variant("misa_t-paced", pace_tolerance=0.0))

@@ -133,8 +133,8 @@ class CompletionPacer:
     (1 + tolerance)·π_w of the total and other workloads have sessions in flight; an ahead
     workload admits nothing more in this call. The test comes before each admission, so the
     workload furthest behind can always admit (no stall), and one that runs alone is never
-    ahead (no idle fleet). A workload without a share keeps at most one placement (a session
-    or a GRPO group) in flight while others run.
+    ahead (no idle fleet). A paced workload without a share keeps at most one placement (a
+    session or a GRPO group) in flight while others run.
 
     Scope `fast` paces only workloads whose sessions finish sooner than the mixture's mean
     session (d_w < Σ π_v·d_v): their admissions land in the next batches, and holding one back
