@@ -96,6 +96,7 @@ class WorkerLink:
     def read_admitted(self, count: int = 64, block_ms: int | None = 1000) -> list[AdmittedSession]:
         """Sessions admitted here: first our unfinished backlog, then new ones (blocking)."""
         stream = self.keys.admitted(self.backend_id)
+        backlog = not self._cursor.done
         start, block = self._cursor.read_args(block_ms)
         try:
             reply = self._client.xreadgroup(WORKERS_GROUP, self.backend_id, {stream: start},
@@ -107,7 +108,7 @@ class WorkerLink:
             raise BackendReclaimed(self.backend_id) from None
         entries = reply[0][1] if reply else []
         self._cursor.advance(entries, count)
-        if start != ">" and not entries:  # the backlog is empty: wait for new ones
+        if backlog and not entries:  # the backlog is empty: wait for new ones
             return self.read_admitted(count, block_ms)
         out = []
         for entry_id, fields in entries:

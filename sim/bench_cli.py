@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from broker.policies.cache_aware import cache_aware_grid
 from sim.bench import (
     BASELINES,
     ORACLE,
@@ -23,7 +24,6 @@ from sim.bench import (
     with_overrides,
     write_json,
 )
-from broker.policies.cache_aware import cache_aware_grid
 from sim.fleet import FleetResult
 from sim.scenario import load_scenario
 
