@@ -12,7 +12,6 @@ covers the CLI. Every process is killed in `finally`.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from broker.binaries import find_executable
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE, MODEL = "h100-8b", "sim-llama3-8b"
@@ -82,7 +83,7 @@ def start_engine(procs: list[subprocess.Popen], seed: int) -> str:
 
 
 def start_router(procs: list[subprocess.Popen], workers: list[str]) -> str:
-    router = shutil.which("vllm-router")
+    router = find_executable("vllm-router")
     assert router is not None, "vllm-router is not installed (pip install vllm-router==0.1.17)"
     port = free_port()
     cmd = [router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
