@@ -5,53 +5,78 @@ group "trainer" under a stable consumer name: a batch handed back by `results()`
 counted in `consumed`) when the next `results()` call starts, or on `ack()` / `close()`. A
 trainer that crashes before that gets the same batch again after restart; once acked, a result
 is never delivered again, and the finish script publishes at most one result per session, so
-each session reaches the trainer exactly once.
+each session reaches the trainer exactly once. A results entry that cannot be read is moved to
+the dead-letter stream with the reason; the readable ones are returned.
+
+A Redis outage is ridden out: each call waits with backoff (logged once per outage) and goes
+on when Redis answers, for up to `outage_timeout_s`, then raises the Redis error. Every call
+is safe to repeat, so a call whose reply was lost is simply made again; `enqueue` then reports
+the ids it added in the lost attempt as known, not new.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal, TypeVar
 
-import redis
+from pydantic import ValidationError
 
 from broker.keys import TRAINER_GROUP, Keys
 from broker.ledger import Ledger
 from broker.mixture import quotas
 from broker.queue import SessionQueue, validate_batch
+from broker.redis_conn import Outage, connect, is_outage
 from broker.scripts import Scripts
 from broker.session import DEFAULT_WORKLOADS, Session, SessionResult
 from broker.streams import BacklogCursor, as_text, ensure_group
 
 MIXTURE_TOLERANCE = 1e-6
+DEFAULT_OUTAGE_TIMEOUT_S = 300.0
+
+log = logging.getLogger("rollout_broker.client")
+T = TypeVar("T")
 
 
 class RolloutClient:
     def __init__(self, redis_url: str, namespace: str, workloads: Iterable[str] | None = None,
-                 consumer: str = "trainer") -> None:
+                 consumer: str = "trainer",
+                 outage_timeout_s: float = DEFAULT_OUTAGE_TIMEOUT_S) -> None:
         """`workloads` adds names to the namespace's known workloads; a namespace with none yet
-        starts with the defaults (rlvr, rlhf, agentic)."""
+        starts with the defaults (rlvr, rlhf, agentic). `outage_timeout_s`: how long a call
+        waits for Redis to answer before it raises."""
         self.keys = Keys(namespace)
         self.consumer = consumer
-        self._client = redis.Redis.from_url(redis_url)
+        self.outage_timeout_s = outage_timeout_s
+        self._client = connect(redis_url)
+        self._outage = Outage(f"client {namespace}/{consumer}", log)
         self._scripts = Scripts(self._client)
         self._queue = SessionQueue(self._client, self.keys, self._scripts)
         self._ledger = Ledger(self._client, self.keys)
         names = list(workloads or ())
         for w in names:
             self.keys.pending(w)  # validates the name
+        self._seed_names = names
+        self._retry(self._setup, names)
+        self._cursor = BacklogCursor()  # our deliveries from before a restart come first
+        self._buffer: dict[str, deque[tuple[str, SessionResult]]] = {}  # delivered, not handed
+        self._handed: list[tuple[str, str]] = []  # (entry id, workload) handed back, not acked
+        self._mixture_seen: dict[str, float] = {}  # the last mixture read (quota in an outage)
+
+    def _setup(self, names: list[str]) -> None:
         if names:
             self._client.sadd(self.keys.workloads, *names)
         elif not self._client.exists(self.keys.workloads):
             self._client.sadd(self.keys.workloads, *DEFAULT_WORKLOADS)
         ensure_group(self._client, self.keys.results, TRAINER_GROUP)
-        self._cursor = BacklogCursor()  # our deliveries from before a restart come first
-        self._buffer: dict[str, deque[tuple[str, SessionResult]]] = {}  # delivered, not handed
-        self._handed: list[tuple[str, str]] = []  # (entry id, workload) handed back, not acked
+
+    def _retry(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, waiting out a Redis outage of up to `outage_timeout_s`."""
+        return self._outage.call(fn, *args, deadline=time.monotonic() + self.outage_timeout_s)
 
     def close(self) -> None:
         self.ack()
@@ -65,7 +90,14 @@ class RolloutClient:
 
     # -- enqueue and configuration --------------------------------------------------------------
     def known_workloads(self) -> set[str]:
-        return {as_text(w) for w in self._client.smembers(self.keys.workloads)}
+        return self._retry(self._known_workloads)
+
+    def _known_workloads(self) -> set[str]:
+        known = {as_text(w) for w in self._client.smembers(self.keys.workloads)}
+        if not known:  # a new namespace, or a Redis that came back without its data
+            self._setup(self._seed_names)
+            known = {as_text(w) for w in self._client.smembers(self.keys.workloads)}
+        return known
 
     def enqueue(self, sessions: Iterable[Session | Mapping[str, Any]]) -> list[str]:
         """Validate the whole batch, then add it; returns the ids that were new.
@@ -73,8 +105,10 @@ class RolloutClient:
         A bad item rejects the batch before anything is written (ValueError naming the item
         and field), so nothing is half-enqueued. Re-enqueueing a known id is a no-op.
         """
-        batch = validate_batch(list(sessions), self.known_workloads(), self._ledger.max_model_len())
-        return self._queue.enqueue(batch)
+        items = list(sessions)
+        known, limits = self._retry(lambda: (self._known_workloads(),
+                                             self._ledger.enqueue_limits()))
+        return self._retry(self._queue.enqueue, validate_batch(items, known, limits))
 
     def set_mixture(self, mixture: Mapping[str, float]) -> dict[str, float]:
         """Set the target share π_w of consumed sessions per workload; must sum to 1 ± 1e-6."""
@@ -84,35 +118,42 @@ class RolloutClient:
         for w, p in mixture.items():
             if w not in known:
                 raise ValueError(f"mixture.{w}: unknown workload; known: {', '.join(sorted(known))}")
-            if not (isinstance(p, int | float) and math.isfinite(p) and p >= 0):
+            if isinstance(p, bool) or not (isinstance(p, int | float) and math.isfinite(p)
+                                           and p >= 0):
                 raise ValueError(f"mixture.{w}: share {p!r} must be a finite number ≥ 0")
         total = sum(mixture.values())
         if abs(total - 1.0) > MIXTURE_TOLERANCE:
             raise ValueError(f"mixture: shares sum to {total}, not 1")
         clean = {w: float(p) / total for w, p in mixture.items()}
-        pipe = self._client.pipeline(transaction=True)
-        pipe.delete(self.keys.mixture)
-        pipe.hset(self.keys.mixture, mapping={w: repr(p) for w, p in clean.items()})
-        pipe.execute()
+
+        def write() -> None:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.delete(self.keys.mixture)
+            pipe.hset(self.keys.mixture, mapping={w: repr(p) for w, p in clean.items()})
+            pipe.execute()
+        self._retry(write)
         return clean
 
     def mixture(self) -> dict[str, float]:
-        return {as_text(k): float(v) for k, v in self._client.hgetall(self.keys.mixture).items()}
+        return self._retry(self._read_mixture)
+
+    def _read_mixture(self) -> dict[str, float]:
+        self._mixture_seen = {as_text(k): float(v)
+                              for k, v in self._client.hgetall(self.keys.mixture).items()}
+        return self._mixture_seen
 
     # -- results --------------------------------------------------------------------------------
     def ack(self) -> None:
         """Acknowledge every result handed back so far (count it as consumed)."""
+        self._retry(self._ack_once)
+
+    def _ack_once(self) -> None:
         if not self._handed:
             return
-        pipe = self._client.pipeline(transaction=True)
-        ids = [eid for eid, _ in self._handed]
-        pipe.xack(self.keys.results, TRAINER_GROUP, *ids)
-        per: dict[str, int] = {}
-        for _, w in self._handed:
-            per[w] = per.get(w, 0) + 1
-        for w, n in per.items():
-            pipe.hincrby(self.keys.consumed, w, n)
-        pipe.execute()
+        args: list[str] = [TRAINER_GROUP]
+        for eid, w in self._handed:
+            args += [eid, w]
+        self._scripts.ack_results(keys=[self.keys.results, self.keys.consumed], args=args)
         self._handed = []
 
     def _fetch(self, count: int, block_ms: int | None) -> int:
@@ -124,12 +165,23 @@ class RolloutClient:
         n = 0
         for entry_id, fields in entries:
             eid = as_text(entry_id)
-            f = {as_text(k): v for k, v in fields.items()}
-            r = SessionResult.model_validate_json(f["result"])
+            if not fields:  # deleted after delivery: nothing to read
+                continue
+            raw = fields.get(b"result", fields.get("result"))
+            try:
+                if raw is None:
+                    raise ValueError("entry has no 'result' field")
+                r = SessionResult.model_validate_json(raw)
+            except ValueError as exc:  # pydantic's ValidationError is a ValueError
+                reason = (f"result does not validate: {exc.errors()[0]['msg']}"
+                          if isinstance(exc, ValidationError) else str(exc))
+                log.error("results entry %s dead-lettered: %s", eid, reason)
+                self._queue.dead_letter(self.keys.results, eid, fields, reason,
+                                        group=TRAINER_GROUP)
+                continue
             self._buffer.setdefault(r.workload, deque()).append((eid, r))
             n += 1
         return n
-
     def _buffered(self) -> int:
         return sum(len(q) for q in self._buffer.values())
 
@@ -139,24 +191,38 @@ class RolloutClient:
 
         `fifo`: in completion order. `quota`: batch_size·π_w of each workload (largest
         remainders); results beyond a workload's quota wait in the client for later batches.
+        A Redis outage only delays results, within `timeout`: the previous batch's
+        acknowledgement then waits for the next call (until then a restarted trainer would get
+        that batch again, as if it had crashed before acknowledging it).
         """
         if batch_size <= 0:
             raise ValueError(f"batch_size: {batch_size} must be positive")
         if mode not in ("fifo", "quota"):
             raise ValueError(f"mode: {mode!r} must be 'fifo' or 'quota'")
-        self.ack()
-        want = quotas(batch_size, self.mixture()) if mode == "quota" else None
-        if want is not None and not want:
-            raise ValueError("mode: quota needs a mixture; call set_mixture first")
         deadline = time.monotonic() + timeout
-        while True:
-            if self._satisfied(batch_size, want):
+        self._until(deadline, self._ack_once)
+        want = None
+        if mode == "quota":
+            mixture = self._until(deadline, self._read_mixture)
+            want = quotas(batch_size, mixture if mixture is not None else self._mixture_seen)
+            if not want:
+                raise ValueError("mode: quota needs a mixture; call set_mixture first")
+        while not self._satisfied(batch_size, want):
+            left = deadline - time.monotonic()
+            if left <= 0 or self._until(deadline, self._fetch, max(batch_size, 100),
+                                        min(int(left * 1000), 1000) or 1) is None:
                 break
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0:
-                break
-            self._fetch(max(batch_size, 100), min(left_ms, 1000))
         return self._take(batch_size, want)
+
+    def _until(self, deadline: float, fn: Callable[..., T], *args: Any) -> T | None:
+        """`fn(*args)`, waiting out an outage until the monotonic `deadline`; None if Redis
+        did not answer by then."""
+        try:
+            return self._outage.call(fn, *args, deadline=deadline)
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            return None
 
     def _satisfied(self, batch_size: int, want: dict[str, int] | None) -> bool:
         if want is None:
@@ -182,8 +248,11 @@ class RolloutClient:
 
     # -- cancel and status ----------------------------------------------------------------------
     def cancel(self, session_id: str) -> str:
-        """'cancelled', or the state that made it too late ('done', 'failed', 'cancelled'),
-        or 'unknown'. A cancelled session publishes no result."""
+        """'cancelled', or the state that made it too late ('done', 'failed', 'cancelled',
+        'dead_lettered'), or 'unknown'. A cancelled session publishes no result."""
+        return self._retry(self._cancel, session_id)
+
+    def _cancel(self, session_id: str) -> str:
         k = self.keys
         for _ in range(5):
             backend = self._client.hget(k.session(session_id), "backend")
@@ -200,8 +269,11 @@ class RolloutClient:
         raise RuntimeError(f"session_id: {session_id!r} kept moving between backends; retry")
 
     def status(self) -> dict[str, Any]:
+        return self._retry(self._status)
+
+    def _status(self) -> dict[str, Any]:
         k = self.keys
-        workloads = sorted(self.known_workloads())
+        workloads = sorted(self._known_workloads())
         pipe = self._client.pipeline(transaction=False)
         for w in workloads:
             pipe.xlen(k.pending(w))
@@ -222,7 +294,7 @@ class RolloutClient:
             "consumed": {as_text(a): int(v) for a, v in replies[n].items()},
             "results_stream": int(replies[n + 1]),
             "dead_letter": int(replies[n + 2]),
-            "mixture": self.mixture(),
+            "mixture": self._read_mixture(),
             "backends": {
                 b: {"healthy": bool(h), "capacity_tokens": s.capacity_tokens,
                     "alpha": s.alpha, "reserved_tokens": s.reserved_tokens,

@@ -42,9 +42,10 @@ class HeartbeatRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     backend_id: str
-    at: float  # unix seconds when the metrics were taken
+    at: float  # unix seconds when the metrics were taken (older than the beat if /metrics lags)
     metrics: EngineMetrics
-    sessions: list[SessionProgress] = Field(default_factory=list)
+    sessions: list[SessionProgress] = Field(default_factory=list)  # every session running there
+    sent_at: float | None = None  # unix seconds when the worker sent this beat
 
     def telemetry(self) -> Telemetry:
         m = self.metrics

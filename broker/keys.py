@@ -86,6 +86,12 @@ class Keys:
         return f"{self.prefix}ledger:{check_backend_id(backend_id)}:sessions"
 
     @property
+    def stats(self) -> str:
+        """Hash: counters of what went wrong and was absorbed (`stale_finishes`: results a
+        worker finished but could not publish because the session was another's by then)."""
+        return f"{self.prefix}stats"
+
+    @property
     def kv_seconds(self) -> str:
         """Hash: <workload> -> summed KV-token-seconds of finished sessions, n:<workload> -> count."""
         return f"{self.prefix}kvsec"

@@ -35,7 +35,12 @@ class Lease:
         return self.period_ms / 3000.0
 
     def try_acquire(self) -> bool:
-        self.held = bool(self._client.set(self._keys.lease, self.token, nx=True, px=self.period_ms))
+        """Take the lease if nobody holds it, or keep it if it is still ours (after a Redis
+        outage shorter than the period, say)."""
+        self.held = bool(self._scripts.lease_renew(keys=[self._keys.lease],
+                                                   args=[self.token, self.period_ms])
+                         or self._client.set(self._keys.lease, self.token, nx=True,
+                                             px=self.period_ms))
         if self.held:
             self._renewed_at = time.monotonic()
         return self.held

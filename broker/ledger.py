@@ -4,6 +4,8 @@ Fields of `rb:{ns}:ledger:<b>` (a hash), who writes them, and what they mean:
 - `capacity`      C_b in KV tokens (num_gpu_blocks × block_size); written by the backend's
                   worker when it registers.
 - `max_model_len` the engine's context limit; written at registration.
+- `vocab_size`    the engine's vocabulary (token ids must be below it); written at registration
+                  when the worker knows it.
 - `alpha`         α_b: reservations may reach α_b·C_b; set to 1.0 at first registration, then
                   written only by the active broker from `Decision.alpha`.
 - `reserved`      Σ of the per-session reservations in `ledger:<b>:sessions`; changed only by the
@@ -39,6 +41,14 @@ class LedgerState:
         return int(self.alpha * self.capacity_tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class EnqueueLimits:
+    """What the registered backends allow a session; None where no backend has said yet."""
+
+    max_model_len: int | None = None  # the largest context limit: a prompt must fit one backend
+    vocab_size: int | None = None  # the smallest vocabulary: a session may land on any backend
+
+
 def parse_ledger(backend_id: str, fields: dict, sessions: dict) -> LedgerState | None:
     """A ledger from its two hashes as HGETALL returns them; None when never registered."""
     f = {as_text(k): as_text(v) for k, v in fields.items()}
@@ -63,17 +73,24 @@ class Ledger:
         self._client = client
         self._keys = keys
 
-    def register_backend(self, backend_id: str, capacity_tokens: int, max_model_len: int) -> None:
+    def register_backend(self, backend_id: str, capacity_tokens: int, max_model_len: int,
+                         vocab_size: int | None = None) -> None:
         """Create or update a backend's ledger, index it, and make its admitted stream's group."""
         check_backend_id(backend_id)
         if capacity_tokens <= 0:
             raise ValueError(f"capacity_tokens: {capacity_tokens} must be positive")
         if max_model_len <= 0:
             raise ValueError(f"max_model_len: {max_model_len} must be positive")
+        if vocab_size is not None and vocab_size <= 0:
+            raise ValueError(f"vocab_size: {vocab_size} must be positive")
         k = self._keys
         pipe = self._client.pipeline(transaction=True)
-        pipe.hset(k.ledger(backend_id), mapping={"capacity": capacity_tokens,
-                                                  "max_model_len": max_model_len})
+        fields = {"capacity": capacity_tokens, "max_model_len": max_model_len}
+        if vocab_size is not None:
+            fields["vocab_size"] = vocab_size
+        else:
+            pipe.hdel(k.ledger(backend_id), "vocab_size")
+        pipe.hset(k.ledger(backend_id), mapping=fields)
         pipe.hsetnx(k.ledger(backend_id), "alpha", 1.0)
         pipe.hsetnx(k.ledger(backend_id), "reserved", 0)
         pipe.sadd(k.backends, backend_id)
@@ -109,17 +126,20 @@ class Ledger:
             raise ValueError(f"alpha: {alpha} must be positive")
         (pipe or self._client).hset(self._keys.ledger(backend_id), "alpha", repr(float(alpha)))
 
-    def max_model_len(self) -> int | None:
-        """The largest context limit among registered backends; None when none is registered.
+    def enqueue_limits(self) -> EnqueueLimits:
+        """The registered backends' context and vocabulary limits.
 
-        Two fields per backend, not `read_all`: every enqueue asks, and the per-session
+        Three fields per backend, not `read_all`: every enqueue asks, and the per-session
         reservations of the whole fleet are not needed for it."""
         ids = self.backend_ids()
         pipe = self._client.pipeline(transaction=False)
         for b in ids:
-            pipe.hmget(self._keys.ledger(b), "capacity", "max_model_len")
-        lens = [int(m or 0) for cap, m in pipe.execute() if cap is not None]
-        return max(lens) if lens else None
+            pipe.hmget(self._keys.ledger(b), "capacity", "max_model_len", "vocab_size")
+        rows = [(int(m or 0), int(v) if v else None) for cap, m, v in pipe.execute()
+                if cap is not None]
+        vocabs = [v for _, v in rows if v is not None]
+        return EnqueueLimits(max_model_len=max((m for m, _ in rows), default=None),
+                             vocab_size=min(vocabs, default=None))
 
     def kv_seconds(self) -> dict[str, tuple[float, int]]:
         """workload -> (summed KV-token-seconds, finished sessions)."""

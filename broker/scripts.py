@@ -14,8 +14,8 @@ import redis
 from redis.commands.core import Script
 
 SCRIPT_NAMES = (
-    "enqueue", "admit", "finish", "mark_running", "heartbeat", "reclaim", "cancel", "recharge",
-    "lease_renew", "lease_release",
+    "enqueue", "admit", "finish", "mark_running", "heartbeat", "requeue", "cancel", "recharge",
+    "lease_renew", "lease_release", "dead_letter", "ack_results",
 )
 
 
@@ -34,11 +34,13 @@ class Scripts:
     finish: Script
     mark_running: Script
     heartbeat: Script
-    reclaim: Script
+    requeue: Script
     cancel: Script
     recharge: Script
     lease_renew: Script
     lease_release: Script
+    dead_letter: Script
+    ack_results: Script
 
     def __init__(self, client: redis.Redis) -> None:
         for name in SCRIPT_NAMES:

@@ -10,6 +10,17 @@ script acks them in the same step that places the session, so a broker killed at
 leaves each session either pending (entry unacked, state 'pending') or admitted (entry acked,
 state 'admitted'), never both or neither. A broker taking over claims every backlog entry of the
 group (XAUTOCLAIM, min idle 0: the lease guarantees the previous holder is gone) and carries on.
+
+Redis outages: any outage error (see `broker.redis_conn`) ends the current term as active
+broker; the process waits with backoff, logs once, and takes over again as soon as Redis
+answers (its own lease if it is still there, else a fresh one), exactly as after a failover.
+A backend counts as dead only when its heartbeat has been missing for `reap_grace_s` *while
+this broker watched* Redis answer: heartbeat keys whose TTL ran out during an outage are not
+a dead fleet.
+
+Lost sessions: a session `running` on a live backend that the backend's heartbeats have not
+listed for `orphan_after_s` (its worker lost it: a bug, a lost write) is requeued, an attempt
+counted, so nothing stays `running` forever holding KV.
 """
 
 from __future__ import annotations
@@ -23,14 +34,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain, islice
 
-import redis
-
+from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
 from broker.keys import BROKER_GROUP, Keys
 from broker.lease import Lease
 from broker.ledger import LedgerState
 from broker.policies import make_policy
 from broker.policies.base import Completion, Decision, PendingItem, Policy
 from broker.queue import PendingEntry, SessionQueue, decode_entry
+from broker.redis_conn import Outage, connect, is_outage
 from broker.scripts import Scripts
 from broker.session import Session
 from broker.snapshot import (
@@ -46,7 +57,7 @@ from broker.streams import as_text, ensure_group
 
 log = logging.getLogger("rollout_broker.broker")
 
-RECLAIM_CHUNK = 200  # sessions per reclaim script call
+REQUEUE_CHUNK = 200  # sessions per requeue script call
 
 
 def load_policy(spec: str) -> Policy:
@@ -64,6 +75,9 @@ class BrokerSettings:
     window: int = 1024  # pending items per workload shown to the policy, oldest first
     buffer: int = 4096  # pending entries per workload held in memory (and the group backlog)
     read_count: int = 2000  # entries per stream per read
+    reap_grace_s: float = DEFAULT_HEARTBEAT_TTL_S  # watch a missing heartbeat this long first
+    orphan_after_s: float = 15.0  # running, yet missing from its backend's beats this long
+    orphan_check_s: float = 5.0  # how often to look for such sessions
 
 
 @dataclass(slots=True)
@@ -79,7 +93,8 @@ class BrokerService:
         self.keys = Keys(namespace)
         self.policy = policy
         self.consumer = consumer or f"broker-{uuid.uuid4().hex[:12]}"
-        self._client = redis.Redis.from_url(redis_url)
+        self._client = connect(redis_url)
+        self._outage = Outage(f"broker {self.consumer}", log)
         self._scripts = Scripts(self._client)
         self._queue = SessionQueue(self._client, self.keys, self._scripts)
         self.lease = Lease(self._client, self.keys, self._scripts, self.settings.lease_period_s)
@@ -96,23 +111,43 @@ class BrokerService:
         self._last_result_id = "0-0"
         self._completions: list[Completion] = []
         self._backend_ids: tuple[str, ...] = ()
+        self._watch_since = time.monotonic()  # since when this term has seen Redis answer
+        self._orphans_checked = time.monotonic()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> None:
-        """Serve until `stop` is set: as the active broker while holding the lease, else standby."""
+        """Serve until `stop` is set: as the active broker while holding the lease, else standby.
+        Rides out Redis outages (see the module docstring)."""
         stop = stop or threading.Event()
         try:
             while not stop.is_set():
-                if not self.lease.try_acquire():
-                    stop.wait(self.lease.renew_interval_s)
-                    continue
-                log.info("broker %s: lease acquired, active", self.consumer)
-                self._serve(stop)
-                if not stop.is_set():
-                    log.warning("broker %s: lease lost, back to standby", self.consumer)
+                try:
+                    resuming = self.lease.held  # kept through an outage: no news to log
+                    if not self.lease.try_acquire():
+                        self._outage.ok()
+                        stop.wait(self.lease.renew_interval_s)
+                        continue
+                    if not resuming:
+                        log.info("broker %s: lease acquired, active", self.consumer)
+                    self._serve(stop)
+                    if not stop.is_set():
+                        log.warning("broker %s: lease lost, back to standby", self.consumer)
+                except Exception as exc:
+                    if not is_outage(exc):
+                        raise
+                    stop.wait(self._outage.failed(exc))
         finally:
-            self.lease.release()
+            self._release_lease()
             self._client.close()
+
+    def _release_lease(self) -> None:
+        """Give the lease up on the way out; with Redis down it simply expires."""
+        try:
+            self.lease.release()
+        except Exception as exc:
+            self.lease.held = False
+            log.warning("broker %s: lease not released (%s); it expires by itself",
+                        self.consumer, type(exc).__name__)
 
     def _serve(self, stop: threading.Event) -> None:
         self._take_over()
@@ -123,6 +158,7 @@ class BrokerService:
             fleet = self._sync(block=idle)
             if fleet is None:
                 return
+            self._outage.ok()  # a whole round worked: any outage is over
             idle = self._decide_and_apply(fleet) == 0
 
     # -- reading --------------------------------------------------------------------------------
@@ -274,36 +310,74 @@ class BrokerService:
                 self._unreadable.add(sid)  # logged once, not re-read on every event
                 log.error("session %s: state hash unreadable; left out of the policy view", sid)
 
-    # -- recovery of dead backends --------------------------------------------------------------
+    # -- recovery of dead backends and lost sessions ---------------------------------------------
     def _reap_dead(self, fleet: FleetRead) -> bool:
+        now = time.monotonic()
+        if now - self._watch_since < self.settings.reap_grace_s:
+            return True  # a heartbeat missing now may have expired while Redis was down
         for b, led in fleet.ledgers.items():
             if fleet.heartbeats.get(b) is None and led.sessions:
-                if not self._reclaim(b, list(led.sessions)):
+                if not self._requeue(b, list(led.sessions),
+                                     f"backend {b}: heartbeat gone (worker or engine down)",
+                                     only_if_dead=True):
+                    return False
+        if now - self._orphans_checked >= self.settings.orphan_check_s:
+            self._orphans_checked = now
+            return self._requeue_orphans(fleet)
+        return True
+
+    def _requeue_orphans(self, fleet: FleetRead) -> bool:
+        """Requeue sessions `running` on a live backend whose beats have not listed them for
+        `orphan_after_s`: their worker does not run them any more."""
+        cutoff = self.settings.orphan_after_s
+        for b, led in fleet.ledgers.items():
+            hb = fleet.heartbeats.get(b)
+            if hb is None or hb.sent_at is None or not led.sessions:
+                continue
+            listed = {p.session_id for p in hb.sessions}
+            unlisted = [sid for sid in led.sessions if sid not in listed]
+            if not unlisted:
+                continue
+            pipe = self._client.pipeline(transaction=False)
+            for sid in unlisted:
+                pipe.hmget(self.keys.session(sid), "state", "running_at")
+            lost = [sid for sid, (state, running_at) in zip(unlisted, pipe.execute())
+                    if state == b"running" and running_at is not None
+                    and float(running_at) < hb.sent_at - cutoff]
+            if lost:
+                log.error("backend %s: %d sessions running there are not in its heartbeats "
+                          "for %.0fs; requeueing them", b, len(lost), cutoff)
+                if not self._requeue(b, lost, f"backend {b}: its worker no longer runs it",
+                                     only_if_dead=False):
                     return False
         return True
 
-    def _reclaim(self, backend_id: str, sids: list[str]) -> bool:
+    def _requeue(self, backend_id: str, sids: list[str], why: str, only_if_dead: bool) -> bool:
+        """Take sessions back from `backend_id` under our lease (see lua/requeue.lua), only if
+        its heartbeat is gone when `only_if_dead`. False when the lease was lost."""
         k = self.keys
-        for start in range(0, len(sids), RECLAIM_CHUNK):
-            chunk = sids[start:start + RECLAIM_CHUNK]
+        for start in range(0, len(sids), REQUEUE_CHUNK):
+            chunk = sids[start:start + REQUEUE_CHUNK]
             pipe = self._client.pipeline(transaction=False)
             for sid in chunk:
                 pipe.hget(k.session(sid), "workload")
             workloads = [as_text(w) if w else None for w in pipe.execute()]
             keys = [k.lease, k.heartbeat(backend_id), k.ledger(backend_id),
-                    k.ledger_sessions(backend_id), k.admitted(backend_id), k.events]
-            args: list = [self.lease.token, backend_id, repr(time.time())]
+                    k.ledger_sessions(backend_id), k.admitted(backend_id), k.events, k.results]
+            args: list = [self.lease.token, backend_id, repr(time.time()), why,
+                          "dead" if only_if_dead else "any"]
             for sid, w in zip(chunk, workloads):
                 # A session hash without a workload cannot be requeued; the script still
                 # releases its reservation (the requeue key is then never written).
                 keys += [k.session(sid), k.requeue(w or "unknown")]
                 args.append(sid)
-            reply = self._scripts.reclaim(keys=keys, args=args)
+            reply = self._scripts.requeue(keys=keys, args=args)
             if as_text(reply) == "lease":
                 return False
             if as_text(reply) == "alive":
                 return True
-            log.warning("backend %s: heartbeat expired, requeued %s sessions", backend_id, reply)
+            requeued, failed = (int(x) for x in reply)
+            log.warning("%s; requeued %d sessions, %d out of attempts", why, requeued, failed)
         return True
 
     # -- deciding -------------------------------------------------------------------------------

@@ -7,16 +7,34 @@ observation lengths) live in `sim.workloads.SessionTruth`, which no policy snaps
 
 from __future__ import annotations
 
+import math
 import re
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 DEFAULT_WORKLOADS: tuple[str, ...] = ("rlvr", "rlhf", "agentic")
+DEFAULT_MAX_ATTEMPTS = 3
 
 ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")  # session and group ids
 WORKLOAD_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # workload names
+# Keys of the operator's tool and reward registry (workers/tools.py): a name, never code.
+REGISTRY_KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+# Strict scalars: JSON `true` is not a token id, `"10"` is not a number of tokens, and NaN or
+# Infinity (which JSON cannot carry; they would be stored as null) is not a metadata value.
+FiniteFloat = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+MetadataValue = StrictStr | StrictBool | StrictInt | FiniteFloat
 
 
 class SessionState(StrEnum):
@@ -26,6 +44,11 @@ class SessionState(StrEnum):
     done = "done"  # finished; exactly one result was published
     failed = "failed"  # gave up (engine errors, tool errors); a result with the reason was published
     cancelled = "cancelled"  # the trainer cancelled it before it finished
+    dead_lettered = "dead_lettered"  # its queue entry could not be read; moved to the dead-letter stream
+
+
+TERMINAL_STATES = frozenset({SessionState.done, SessionState.failed, SessionState.cancelled,
+                             SessionState.dead_lettered})
 
 
 class SamplingParams(BaseModel):
@@ -33,10 +56,10 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: Annotated[float, Field(ge=0.0, le=10.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
+    temperature: Annotated[FiniteFloat, Field(ge=0.0, le=10.0)] = 1.0
+    top_p: Annotated[FiniteFloat, Field(gt=0.0, le=1.0)] = 1.0
+    seed: StrictInt | None = None
+    ignore_eos: StrictBool = False
 
 
 class Session(BaseModel):
@@ -44,23 +67,29 @@ class Session(BaseModel):
 
     `max_tokens` caps each turn's output; `max_turns` caps an agentic episode (1 = single turn).
     Sessions sharing a `group_id` are one GRPO group (same prompt, n samples).
+    `metadata.tool` and `metadata.reward` name the session's tool and reward scorer by their
+    key in the operator's registry (`workers/tools.py`); a multi-turn session must name a tool,
+    and one naming no reward gets none. `max_attempts` bounds how often the session may start
+    on an engine: an engine or worker that dies mid-session hands it back to be run again, and
+    the attempt that would exceed this ends it `failed`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    session_id: str
-    workload: str
-    group_id: str | None = None
-    group_size: Annotated[int, Field(ge=1, le=1024)] = 1
+    session_id: StrictStr
+    workload: StrictStr
+    group_id: StrictStr | None = None
+    group_size: Annotated[StrictInt, Field(ge=1, le=1024)] = 1
     # Token ids are checked in pydantic-core (not a Python validator): the broker validates
     # every entry it reads, and a Python loop over each prompt was a tenth of its admission time.
-    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    prompt_text: str | None = None
-    max_tokens: int
-    max_turns: Annotated[int, Field(ge=1, le=1000)] = 1
+    prompt_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    prompt_text: StrictStr | None = None
+    max_tokens: StrictInt
+    max_turns: Annotated[StrictInt, Field(ge=1, le=1000)] = 1
     sampling: SamplingParams = SamplingParams()
-    policy_version: Annotated[int, Field(ge=0)] = 0
-    metadata: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    policy_version: Annotated[StrictInt, Field(ge=0)] = 0
+    max_attempts: Annotated[StrictInt, Field(ge=1, le=100)] = DEFAULT_MAX_ATTEMPTS
+    metadata: dict[str, MetadataValue] = Field(default_factory=dict)
 
     @field_validator("session_id", "group_id")
     @classmethod
@@ -83,6 +112,25 @@ class Session(BaseModel):
             raise ValueError("must be a positive number of tokens")
         return v
 
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _metadata_values(cls, v: object) -> object:
+        """Name the key at fault ("x: ...") instead of the union's member ("x.str: ...")."""
+        if not isinstance(v, dict):
+            return v
+        for key, value in v.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{key}: {value} is not a finite number")
+            if not isinstance(value, str | int | float | bool):
+                raise ValueError(f"{key}: must be a string, number or boolean, "
+                                 f"not {type(value).__name__}")
+        for key in ("tool", "reward"):
+            name = v.get(key)
+            if name is not None and not (isinstance(name, str) and REGISTRY_KEY_RE.match(name)):
+                raise ValueError(f"{key}: {name!r} is not a registry key (1-64 letters, digits, "
+                                 "'_', '.' or '-'); name a tool or reward the operator registered")
+        return v
+
     @model_validator(mode="after")
     def _one_prompt(self) -> Session:
         has_ids = bool(self.prompt_token_ids)
@@ -91,7 +139,22 @@ class Session(BaseModel):
             raise ValueError(
                 "prompt: give exactly one non-empty prompt_token_ids or prompt_text"
             )
+        if self.max_turns > 1 and "tool" not in self.metadata:
+            raise ValueError(f"metadata.tool: a session of max_turns {self.max_turns} needs a "
+                             "tool for the observations between its turns; name one")
         return self
+
+    @property
+    def tool(self) -> str | None:
+        """The registry key of the session's tool (None: single-turn, no tool)."""
+        name = self.metadata.get("tool")
+        return name if isinstance(name, str) else None
+
+    @property
+    def reward(self) -> str | None:
+        """The registry key of the session's reward scorer (None: no reward is computed)."""
+        name = self.metadata.get("reward")
+        return name if isinstance(name, str) else None
 
     @property
     def prompt_len_hint(self) -> int:

@@ -10,11 +10,17 @@ One `WorkerLink` per backend (one engine). The worker's loop, in order:
             if link.mark_running(a.session.session_id):    # False: cancelled/moved: drop it
                 ... run a.session on the engine ...
                 link.finish(result, stats)                 # exactly one result, idempotent
+                # or, when the engine could not serve it:
+                link.hand_back([a.session], "engine: ...")  # run again (an attempt counted)
 
 A worker that restarts with the same backend id first gets back the admitted entries it had read
 but not finished (its consumer-group backlog), so nothing admitted to it is lost. If its
-heartbeat lapsed meanwhile, the broker has requeued those sessions elsewhere: `mark_running`
-and `finish` then say 'stale' and the worker drops them, so no result is published twice.
+heartbeat lapsed meanwhile, the broker has requeued those sessions: a finish is still taken
+while nobody else has been given the session (first finish wins), and refused ('stale') once
+another backend has it, so no result is published twice.
+
+Every call may raise one of `broker.redis_conn.OUTAGE_ERRORS` while Redis is down; each is
+idempotent, so the caller retries it as it is.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S, EngineMetrics, HeartbeatRecord, SessionProgress
 from broker.keys import WORKERS_GROUP, Keys, check_backend_id
 from broker.ledger import Ledger
+from broker.redis_conn import connect
 from broker.scripts import Scripts
 from broker.session import Session, SessionResult, SessionState
 from broker.streams import BacklogCursor, as_text
@@ -57,7 +64,7 @@ class WorkerLink:
                  heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S) -> None:
         self.backend_id = check_backend_id(backend_id)
         self.keys = Keys(namespace)
-        self._client = redis.Redis.from_url(redis_url)
+        self._client = connect(redis_url)
         self._scripts = Scripts(self._client)
         self._ledger = Ledger(self._client, self.keys)
         self.heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
@@ -66,20 +73,26 @@ class WorkerLink:
     def close(self) -> None:
         self._client.close()
 
-    def register(self, capacity_tokens: int, max_model_len: int) -> None:
-        self._ledger.register_backend(self.backend_id, capacity_tokens, max_model_len)
+    def register(self, capacity_tokens: int, max_model_len: int,
+                 vocab_size: int | None = None) -> None:
+        self._ledger.register_backend(self.backend_id, capacity_tokens, max_model_len, vocab_size)
         self._cursor.reset()
 
     def heartbeat(self, metrics: EngineMetrics, progress: Sequence[SessionProgress] = (),
                   at: float | None = None) -> None:
-        record = HeartbeatRecord(backend_id=self.backend_id, at=time.time() if at is None else at,
-                                 metrics=metrics, sessions=list(progress))
+        """Refresh this backend's liveness (the key's TTL) and carry `metrics` as taken at unix
+        time `at` (default now): an engine whose /metrics answers slowly sends older numbers,
+        with their age, but the beat itself is on time."""
+        now = time.time()
+        record = HeartbeatRecord(backend_id=self.backend_id, at=now if at is None else at,
+                                 metrics=metrics, sessions=list(progress), sent_at=now)
         k = self.keys
         reply = as_text(self._scripts.heartbeat(
             keys=[k.heartbeat(self.backend_id), k.ledger(self.backend_id), k.events],
             args=[self.backend_id, record.model_dump_json(), self.heartbeat_ttl_ms]))
         if reply != "ok":
-            raise RuntimeError(f"heartbeat: backend {self.backend_id!r} is not registered ({reply})")
+            raise NotRegistered(f"heartbeat: backend {self.backend_id!r} is not registered "
+                                f"({reply})")
 
     def withdraw(self) -> None:
         """Hand everything admitted here back now: drop our heartbeat (the broker's health
@@ -160,10 +173,33 @@ class WorkerLink:
         k, b = self.keys, self.backend_id
         self._scripts.finish(
             keys=[k.session(result.session_id), k.ledger(b), k.ledger_sessions(b), k.admitted(b),
-                  k.results, k.events, k.kv_seconds],
+                  k.results, k.events, k.kv_seconds, k.requeue(result.workload), k.stats],
             args=[result.session_id, b, result.status.value, result.model_dump_json(),
                   stats.model_dump_json(), repr(now), repr(stats.kv_token_seconds)],
             client=pipe)
+
+
+    def hand_back(self, sessions: Sequence[Session], why: str, now: float | None = None
+                  ) -> tuple[int, int]:
+        """Give sessions admitted here back to the front of their queues, because the engine
+        could not serve them (`why` is kept as their last error). Each that had started counts
+        an attempt; one that reaches its `max_attempts` ends failed with a result instead.
+        Returns (requeued, failed); sessions no longer here are skipped."""
+        if not sessions:
+            return 0, 0
+        k, b = self.keys, self.backend_id
+        keys = [k.lease, k.heartbeat(b), k.ledger(b), k.ledger_sessions(b), k.admitted(b),
+                k.events, k.results]
+        for s in sessions:
+            keys += [k.session(s.session_id), k.requeue(s.workload)]
+        args = ["", b, repr(time.time() if now is None else now), why, "any",
+                *(s.session_id for s in sessions)]
+        requeued, failed = self._scripts.requeue(keys=keys, args=args)
+        return int(requeued), int(failed)
+
+
+class NotRegistered(RuntimeError):
+    """The backend has no ledger (never registered, or its keys were lost): register again."""
 
 
 class BackendReclaimed(RuntimeError):

@@ -3,8 +3,9 @@
 -- KEYS[3] = rb:{ns}:ledger:<b>:sessions   KEYS[4] = rb:{ns}:admitted:<b>   KEYS[5] = rb:{ns}:events
 -- ARGV[1] = sid   ARGV[2] = the backend the caller read from the session hash ('' if none)
 -- ARGV[3] = now
--- Returns 'cancelled'; the current terminal state ('done', 'failed', 'cancelled'); 'unknown';
--- or 'retry' when the session's backend is not ARGV[2] (it moved: read it again).
+-- Returns 'cancelled'; the current terminal state ('done', 'failed', 'cancelled',
+-- 'dead_lettered'); 'unknown'; or 'retry' when the session's backend is not ARGV[2] (it moved:
+-- read it again).
 -- Invariant: a cancelled session publishes no result; a pending one keeps its stream entry,
 -- which admit acks as stale; an admitted/running one releases its reservation exactly and
 -- leaves its backend's stream in the same step.
@@ -13,7 +14,7 @@ local state = st[1]
 if not state then
   return 'unknown'
 end
-if state == 'done' or state == 'failed' or state == 'cancelled' then
+if state == 'done' or state == 'failed' or state == 'cancelled' or state == 'dead_lettered' then
   return state
 end
 if state == 'pending' then

@@ -2,37 +2,50 @@
 -- KEYS[1] = rb:{ns}:session:<sid>          KEYS[2] = rb:{ns}:ledger:<b>
 -- KEYS[3] = rb:{ns}:ledger:<b>:sessions    KEYS[4] = rb:{ns}:admitted:<b>
 -- KEYS[5] = rb:{ns}:results                KEYS[6] = rb:{ns}:events
--- KEYS[7] = rb:{ns}:kvsec
+-- KEYS[7] = rb:{ns}:kvsec                  KEYS[8] = rb:{ns}:requeue:<workload>
+-- KEYS[9] = rb:{ns}:stats
 -- ARGV[1] = sid   ARGV[2] = backend id   ARGV[3] = status ('done' | 'failed')
 -- ARGV[4] = SessionResult JSON   ARGV[5] = completion stats JSON   ARGV[6] = now
 -- ARGV[7] = KV-token-seconds the session held
 -- Returns 'ok'; 'duplicate' when the session is already done/failed/cancelled (nothing changes);
--- 'stale' when the session is not admitted/running on this backend (e.g. requeued after its
--- heartbeat expired), so a zombie worker cannot publish.
+-- 'stale' when the session is now another backend's (re-admitted there after this one was
+-- taken for dead), so the same session is never published twice.
+-- First finish wins: a session taken back from this backend (requeued_from = b, see
+-- requeue.lua) that nobody has admitted since is still this backend's to finish; its requeue
+-- entry is removed in the same step, so it is never run again.
 -- Invariant: at most one results entry per session, ever; on 'ok' the session's reservation
--- leaves the ledger (reserved and w:<workload> drop by exactly that amount) in the same step.
+-- (if it still holds one) leaves the ledger (reserved and w:<workload> drop by exactly that
+-- amount) in the same step. A refused finish counts in stats field 'stale_finishes'.
 if ARGV[3] ~= 'done' and ARGV[3] ~= 'failed' then
   return redis.error_reply('finish: status must be done or failed')
 end
-local st = redis.call('HMGET', KEYS[1], 'state', 'backend', 'workload', 'admitted_entry')
+local st = redis.call('HMGET', KEYS[1], 'state', 'backend', 'workload', 'admitted_entry',
+  'requeued_from', 'pending_entry')
 local state = st[1]
-if state == 'done' or state == 'failed' or state == 'cancelled' then
+if state == 'done' or state == 'failed' or state == 'cancelled' or state == 'dead_lettered' then
   return 'duplicate'
 end
-if (state ~= 'admitted' and state ~= 'running') or st[2] ~= ARGV[2] then
+local sid, workload = ARGV[1], st[3]
+if state == 'pending' and st[5] == ARGV[2] then
+  if st[6] then
+    redis.call('XACK', KEYS[8], 'broker', st[6])
+    redis.call('XDEL', KEYS[8], st[6])
+  end
+elseif (state == 'admitted' or state == 'running') and st[2] == ARGV[2] then
+  local charge = tonumber(redis.call('HGET', KEYS[3], sid) or '0')
+  redis.call('HDEL', KEYS[3], sid)
+  redis.call('HINCRBY', KEYS[2], 'reserved', -charge)
+  redis.call('HINCRBY', KEYS[2], 'w:' .. workload, -charge)
+  if st[4] then
+    redis.call('XACK', KEYS[4], 'workers', st[4])
+    redis.call('XDEL', KEYS[4], st[4])
+  end
+else
+  redis.call('HINCRBY', KEYS[9], 'stale_finishes', 1)
   return 'stale'
 end
-local sid, workload = ARGV[1], st[3]
-local charge = tonumber(redis.call('HGET', KEYS[3], sid) or '0')
-redis.call('HDEL', KEYS[3], sid)
-redis.call('HINCRBY', KEYS[2], 'reserved', -charge)
-redis.call('HINCRBY', KEYS[2], 'w:' .. workload, -charge)
 redis.call('XADD', KEYS[5], '*', 'sid', sid, 'workload', workload, 'status', ARGV[3],
   'result', ARGV[4], 'stats', ARGV[5])
-if st[4] then
-  redis.call('XACK', KEYS[4], 'workers', st[4])
-  redis.call('XDEL', KEYS[4], st[4])
-end
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'finished_at', ARGV[6])
 redis.call('HINCRBYFLOAT', KEYS[7], workload, ARGV[7])
 redis.call('HINCRBY', KEYS[7], 'n:' .. workload, 1)

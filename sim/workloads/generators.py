@@ -35,7 +35,7 @@ def _ids(workload: str, index: int, member: int) -> tuple[str, str]:
 
 
 def _member(spec: RlvrSpec | RlhfSpec | AgenticSpec, workload: str, index: int, member: int,
-            prompt_ids: list[int], max_turns: int = 1, **metadata: int) -> Session:
+            prompt_ids: list[int], max_turns: int = 1, **metadata: int | str) -> Session:
     """Member `member` of group `index`: what the trainer enqueues (the truth is separate)."""
     group_id, session_id = _ids(workload, index, member)
     return Session(
@@ -142,7 +142,7 @@ def agentic_group(spec: AgenticSpec, workload: str, seed: int, index: int, vocab
     for member in range(spec.group_size):
         truth = _agentic_truth(spec, rng, len(prompt_ids), vocab_size)
         session = _member(spec, workload, index, member, prompt_ids, max_turns=spec.max_turns,
-                          task_family=family)
+                          task_family=family, tool="sim")  # the simulated environment
         out.append(SimSession(session=session, truth=truth))
     return tuple(out)
 

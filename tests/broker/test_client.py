@@ -132,3 +132,80 @@ def test_async_client_has_the_same_methods(redis_url, namespace, redis_client):
     got, st = asyncio.run(main())
     assert len({r.session_id for r in got}) == 5
     assert st["mixture"] == {"rlvr": 1.0}
+
+
+@pytest.mark.parametrize("item, field", [
+    ({"prompt_token_ids": [True, False]}, r"prompt_token_ids\.0: Input should be a valid integer"),
+    ({"max_tokens": "10"}, "max_tokens: Input should be a valid integer"),
+    ({"max_turns": 2.0}, "max_turns: Input should be a valid integer"),
+    ({"metadata": {"x": float("nan")}}, "metadata.x: nan is not a finite number"),
+    ({"metadata": {"x": float("inf")}}, "metadata.x: inf is not a finite number"),
+    ({"metadata": {"x": [1, 2]}}, "metadata.x: must be a string, number or boolean"),
+    ({"metadata": {"reward": "sys:exit"}}, "metadata.reward: 'sys:exit' is not a registry key"),
+    ({"metadata": {"tool": "os:system"}}, "metadata.tool: 'os:system' is not a registry key"),
+    ({"max_turns": 3}, "metadata.tool: a session of max_turns 3 needs a tool"),
+    ({"sampling": {"temperature": "1"}}, r"sampling\.temperature: Input should be a valid number"),
+])
+def test_loose_input_is_refused_naming_the_field(client, item, field):
+    bad = {**make_session(2).model_dump(), **item}
+    with pytest.raises(ValueError, match=rf"^sessions\[1\]\.{field}"):
+        client.enqueue([make_session(1), bad])
+    assert client.status()["pending"]["rlvr"] == 0
+
+
+def test_one_id_twice_with_different_bodies_refuses_the_batch(client):
+    other = make_session(1).model_copy(update={"max_tokens": 99})
+    with pytest.raises(ValueError, match=r"^sessions\[2\]\.session_id: 's1' is also sessions\[0\]"):
+        client.enqueue([make_session(1), make_session(2), other])
+    assert client.status()["pending"]["rlvr"] == 0
+    assert client.enqueue([make_session(1), make_session(1)]) == ["s1"]  # the same one: kept once
+
+
+def test_token_ids_beyond_a_reported_vocabulary_are_refused_at_enqueue(client, redis_url, namespace):
+    link = WorkerLink(redis_url, namespace, "b0")
+    link.register(10_000, 4096)  # reports no vocabulary: nothing to judge against
+    assert client.enqueue([make_session(1).model_copy(update={"prompt_token_ids": [5, 50_000]})])
+    link.register(10_000, 4096, vocab_size=32_000)
+    WorkerLink(redis_url, namespace, "b1").register(10_000, 4096, vocab_size=128_000)
+    with pytest.raises(ValueError, match=r"^sessions\[0\]\.prompt_token_ids: token id 32000 is "
+                                         r"not below the served vocabulary size 32000"):
+        client.enqueue([make_session(2).model_copy(update={"prompt_token_ids": [1, 32_000]})])
+    assert client.enqueue([make_session(3).model_copy(update={"prompt_token_ids": [31_999]})])
+
+
+def test_a_malformed_results_entry_goes_to_the_dead_letters_and_the_rest_arrive(
+        client, redis_url, namespace, redis_client):
+    link = WorkerLink(redis_url, namespace, "b0")
+    k = Keys(namespace)
+    good = [SessionResult(session_id=f"s{i}", workload="rlvr", status=SessionState.done)
+            for i in range(3)]
+    redis_client.xadd(k.results, {"sid": "s0", "result": good[0].model_dump_json()})
+    redis_client.xadd(k.results, {"sid": "x", "result": "{not json"})
+    redis_client.xadd(k.results, {"sid": "y", "status": "done"})  # no result field at all
+    for r in good[1:]:
+        redis_client.xadd(k.results, {"sid": r.session_id, "result": r.model_dump_json()})
+    got = client.results(10, timeout=1.0)
+    assert [r.session_id for r in got] == ["s0", "s1", "s2"]
+    client.ack()
+    dead = redis_client.xrange(k.dead_letter)
+    assert [f[b"f:sid"] for _, f in dead] == [b"x", b"y"]
+    assert dead[0][1][b"reason"].startswith(b"result does not validate")
+    assert dead[1][1][b"reason"] == b"entry has no 'result' field"
+    # nothing is left unacknowledged, so a restarted trainer does not trip on them again
+    assert redis_client.xpending(k.results, "trainer")["pending"] == 0
+    again = RolloutClient(redis_url, namespace)
+    assert again.results(10, timeout=0.3) == []
+    again.close()
+    link.close()
+
+
+def test_acknowledging_twice_counts_once(client, redis_url, namespace, redis_client):
+    k = Keys(namespace)
+    r = SessionResult(session_id="s0", workload="rlvr", status=SessionState.done)
+    redis_client.xadd(k.results, {"sid": "s0", "result": r.model_dump_json()})
+    [got] = client.results(1, timeout=1.0)
+    handed = list(client._handed)
+    client.ack()
+    client._handed = handed  # the same acknowledgement again, as after a lost reply
+    client.ack()
+    assert client.status()["consumed"] == {"rlvr": 1}

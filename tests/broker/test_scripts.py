@@ -168,7 +168,15 @@ def test_cancel_pending_and_admitted(world):
     client.close()
 
 
-def test_reclaim_requeues_at_front_and_releases(world, redis_client):
+def requeue_keys(k: Keys, b: str, sids_workloads: list[tuple[str, str]]) -> list[str]:
+    keys = [k.lease, k.heartbeat(b), k.ledger(b), k.ledger_sessions(b), k.admitted(b), k.events,
+            k.results]
+    for sid, w in sids_workloads:
+        keys += [k.session(sid), k.requeue(w)]
+    return keys
+
+
+def test_requeue_of_a_dead_backend_goes_to_the_front_and_releases(world, redis_client):
     link = world.backend("b0")
     world.q.enqueue([make_session(1), make_session(2), make_session(3)])
     e = world.read_pending()
@@ -176,20 +184,93 @@ def test_reclaim_requeues_at_front_and_releases(world, redis_client):
     world.admit("s2", "b0", 20, e["s2"])
     link.mark_running("s2")
     k = world.k
-    base = [k.lease, k.heartbeat("b0"), k.ledger("b0"), k.ledger_sessions("b0"), k.admitted("b0"), k.events]
-    pairs = [k.session("s1"), k.requeue("rlvr"), k.session("s2"), k.requeue("rlvr")]
-    args = [TOKEN, "b0", "2.0", "s1", "s2"]
-    assert as_text(world.s.reclaim(keys=base + pairs, args=args)) == "alive"
+    keys = requeue_keys(k, "b0", [("s1", "rlvr"), ("s2", "rlvr")])
+    args = [TOKEN, "b0", "2.0", "heartbeat expired", "dead", "s1", "s2"]
+    assert as_text(world.s.requeue(keys=keys, args=args)) == "alive"
     redis_client.delete(k.heartbeat("b0"))  # the TTL ran out
-    assert as_text(world.s.reclaim(keys=base + pairs, args=["x"] + args[1:])) == "lease"
-    assert world.s.reclaim(keys=base + pairs, args=args) == 2
+    assert as_text(world.s.requeue(keys=keys, args=["x"] + args[1:])) == "lease"
+    assert world.s.requeue(keys=keys, args=args) == [2, 0]
     assert world.reserved("b0") == 0 and world.ledger.read("b0").sessions == {}
     assert world.state("s1") == world.state("s2") == "pending"
     requeued = redis_client.xrange(k.requeue("rlvr"))
     assert [f[b"sid"] for _, f in requeued] == [b"s1", b"s2"]
     assert requeued[0][1][b"enqueued_at"] == redis_client.hget(k.session("s1"), "enqueued_at")
     assert not redis_client.exists(k.admitted("b0"))
-    assert link.finish(result("s2")) == "stale"  # the zombie worker cannot publish
+    # only the session that had started counts an attempt
+    assert redis_client.hmget(k.session("s1"), "attempts", "last_error") == [b"0", b"heartbeat expired"]
+    assert redis_client.hget(k.session("s2"), "attempts") == b"1"
+
+
+def test_a_late_finish_is_taken_until_another_backend_has_the_session(world, redis_client):
+    link = world.backend("b0")
+    other = world.backend("b1")
+    world.q.enqueue([make_session(1), make_session(2)])
+    e = world.read_pending()
+    world.admit("s1", "b0", 10, e["s1"])
+    world.admit("s2", "b0", 10, e["s2"])
+    link.mark_running_many(["s1", "s2"])
+    k = world.k
+    redis_client.delete(k.heartbeat("b0"))
+    world.s.requeue(keys=requeue_keys(k, "b0", [("s1", "rlvr"), ("s2", "rlvr")]),
+                    args=[TOKEN, "b0", "2.0", "heartbeat expired", "dead", "s1", "s2"])
+    # s1 is re-admitted to b1 before b0's finish arrives; s2 is still waiting in the queue
+    reply = redis_client.xreadgroup(BROKER_GROUP, "b", {k.requeue("rlvr"): ">"})
+    entries = {f[b"sid"].decode(): eid.decode() for eid, f in reply[0][1]}
+    assert as_text(world.s.admit(
+        keys=[k.lease, k.session("s1"), k.ledger("b1"), k.ledger_sessions("b1"),
+              k.heartbeat("b1"), k.admitted("b1"), k.requeue("rlvr")],
+        args=[TOKEN, "s1", "b1", 10, entries["s1"], "3.0", "1"])) == "ok"
+    assert link.finish(result("s1")) == "stale"  # b1 has it now: b0's result would be a second
+    assert link.finish(result("s2")) == "ok"  # nobody else has it: first finish wins
+    assert world.state("s2") == "done"
+    # s2's requeue entry went with its finish: the broker will never admit it again
+    assert redis_client.xlen(k.requeue("rlvr")) == 0
+    assert redis_client.xpending(k.requeue("rlvr"), BROKER_GROUP)["pending"] == 0
+    assert [f[b"sid"] for _, f in redis_client.xrange(k.results)] == [b"s2"]
+    assert redis_client.hget(k.stats, "stale_finishes") == b"1"
+    assert other.finish(result("s1")) == "ok"
+
+
+def test_out_of_attempts_ends_failed_with_one_result(world, redis_client):
+    link = world.backend("b0")
+    world.q.enqueue([make_session(1).model_copy(update={"max_attempts": 2})])
+    k = world.k
+    for attempt in (1, 2):
+        entry = (world.read_pending() if attempt == 1 else {
+            f[b"sid"].decode(): eid.decode()
+            for eid, f in redis_client.xreadgroup(BROKER_GROUP, "b", {k.requeue("rlvr"): ">"})[0][1]})
+        source = k.pending("rlvr") if attempt == 1 else k.requeue("rlvr")
+        assert as_text(world.s.admit(
+            keys=[k.lease, k.session("s1"), k.ledger("b0"), k.ledger_sessions("b0"),
+                  k.heartbeat("b0"), k.admitted("b0"), source],
+            args=[TOKEN, "s1", "b0", 10, entry["s1"], "1.0", "1"])) == "ok"
+        assert link.mark_running("s1")
+        requeued, failed = link.hand_back([make_session(1)], f"engine: refused ({attempt})")
+        assert (requeued, failed) == ((1, 0) if attempt == 1 else (0, 1))
+    assert world.state("s1") == "failed" and world.reserved("b0") == 0
+    [(_, fields)] = redis_client.xrange(k.results)
+    r = SessionResult.model_validate_json(fields[b"result"])
+    assert r.status == SessionState.failed and r.session_id == "s1" and r.workload == "rlvr"
+    assert "gave up after 2 attempts" in r.error and "engine: refused (2)" in r.error
+    assert link.finish(result("s1")) == "duplicate"
+    assert link.hand_back([make_session(1)], "again") == (0, 0)
+
+
+def test_hand_back_leaves_the_backend_at_once(world, redis_client):
+    link = world.backend("b0")
+    world.q.enqueue([make_session(1), make_session(2)])
+    e = world.read_pending()
+    world.admit("s1", "b0", 10, e["s1"])
+    world.admit("s2", "b0", 10, e["s2"])
+    assert len(link.read_admitted(count=10, block_ms=None)) == 2
+    assert link.mark_running("s1")
+    assert link.hand_back([make_session(1)], "engine: timed out") == (1, 0)
+    assert world.state("s1") == "pending" and world.state("s2") == "admitted"
+    assert world.ledger.read("b0").sessions == {"s2": 10}
+    # its admitted entry is gone: a restarted worker's backlog does not hand it out again
+    again = WorkerLink(world.url, world.ns, "b0")
+    assert [a.session.session_id for a in again.read_admitted(count=10, block_ms=None)] == ["s2"]
+    assert redis_client.exists(world.k.admitted("b0"))  # a live backend keeps its stream
 
 
 def test_recharge_keeps_the_limit(world):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from broker.backend_sim import SimulatedBackend
@@ -129,6 +131,86 @@ def test_a_session_cancelled_while_admitted_is_forgotten_by_the_broker(redis_url
         assert client.cancel("s1") == "cancelled"
         link.heartbeat(beat)  # any event: the broker looks again
         assert wait_until(lambda: "s1" not in broker.service._meta, timeout=10)
+    finally:
+        broker.stop()
+        client.close()
+        link.close()
+
+
+def test_a_dead_lettered_session_says_so(redis_url, namespace, fleet, redis_client):
+    fleet("b0")
+    k = Keys(namespace)
+    client = RolloutClient(redis_url, namespace)
+    client.enqueue([make_session(1)])
+    # Its queue entry is damaged after enqueue (a bad writer, a restored backup): the broker
+    # cannot read it, so it goes to the dead letters, and the session must not stay 'pending'.
+    [(eid, fields)] = redis_client.xrange(k.pending("rlvr"))
+    redis_client.xdel(k.pending("rlvr"), eid)
+    new_id = redis_client.xadd(k.pending("rlvr"), {"sid": "s1", "session": b"{broken"})
+    redis_client.hset(k.session("s1"), "pending_entry", new_id)
+    broker = BrokerThread(redis_url, namespace).start()
+    try:
+        assert wait_until(lambda: redis_client.hget(k.session("s1"), "state") == b"dead_lettered")
+        assert redis_client.hget(k.session("s1"), "last_error").startswith(b"session JSON does")
+        assert client.cancel("s1") == "dead_lettered"  # too late, and it says why
+        [(_, dead)] = redis_client.xrange(k.dead_letter)
+        assert dead[b"f:sid"] == b"s1" and dead[b"entry_id"] == new_id
+    finally:
+        broker.stop()
+        client.close()
+
+
+def test_a_running_session_its_worker_lost_is_requeued(redis_url, namespace, fleet, redis_client):
+    """A live backend that stops listing a running session in its beats (its worker dropped
+    it: a bug, a lost write) does not keep it, or its KV, forever."""
+    forgetful = fleet("b0", hold=True, heartbeat_s=0.1)
+    broker = BrokerThread(redis_url, namespace, orphan_after_s=1.0, orphan_check_s=0.2).start()
+    client = RolloutClient(redis_url, namespace)
+    ledger = Ledger(redis_client, Keys(namespace))
+    try:
+        client.enqueue([make_session(i) for i in range(3)])
+        assert wait_until(lambda: len(forgetful._running) == 3)
+        forgetful._running.pop("s1")  # the worker forgets it; its beats stop listing it
+        assert wait_until(lambda: redis_client.hget(Keys(namespace).session("s1"),
+                                                    "requeued_from") == b"b0", timeout=20)
+        assert redis_client.hget(Keys(namespace).session("s1"), "attempts") == b"1"
+        assert wait_until(lambda: "s1" in forgetful._running)  # admitted again, here
+        assert set(ledger.read("b0").sessions) == {"s0", "s1", "s2"}
+        assert redis_client.xlen(Keys(namespace).results) == 0  # nothing published twice
+    finally:
+        broker.stop()
+        client.close()
+
+
+def test_a_heartbeat_missing_only_since_the_broker_started_watching_is_given_time(
+        redis_url, namespace, redis_client):
+    """After a Redis restart every heartbeat key may have expired during the outage: the
+    broker waits `reap_grace_s` of its own watching before it calls a backend dead."""
+    link = WorkerLink(redis_url, namespace, "b0", heartbeat_ttl_s=30.0)
+    link.register(100_000, 4096)
+    beat = EngineMetrics(kv_usage=0.0, running=0, waiting=0, preemptions_total=0,
+                         prefix_queries_total=0, prefix_hits_total=0)
+    link.heartbeat(beat)
+    k = Keys(namespace)
+    client = RolloutClient(redis_url, namespace)
+    first = BrokerThread(redis_url, namespace).start()
+    try:
+        client.enqueue([make_session(1)])
+        assert wait_until(lambda: redis_client.hget(k.session("s1"), "state") == b"admitted")
+    finally:
+        first.stop()
+    redis_client.delete(k.heartbeat("b0"))  # expired while "Redis was down"
+    broker = BrokerThread(redis_url, namespace, reap_grace_s=2.0).start()
+    try:
+        time.sleep(0.5)
+        link.heartbeat(beat)  # the worker is back within the grace
+        time.sleep(2.5)
+        link.heartbeat(beat)
+        assert redis_client.hget(k.session("s1"), "state") == b"admitted"
+        assert redis_client.hget(k.session("s1"), "requeued_at") is None  # never taken back
+        redis_client.delete(k.heartbeat("b0"))  # now it really is gone
+        assert wait_until(lambda: redis_client.hget(k.session("s1"), "state") == b"pending",
+                          timeout=20)
     finally:
         broker.stop()
         client.close()

@@ -1,0 +1,85 @@
+-- requeue: take sessions back from backend b to the front of their workload's queue.
+-- KEYS[1] = rb:{ns}:lease   KEYS[2] = rb:{ns}:hb:<b>   KEYS[3] = rb:{ns}:ledger:<b>
+-- KEYS[4] = rb:{ns}:ledger:<b>:sessions   KEYS[5] = rb:{ns}:admitted:<b>
+-- KEYS[6] = rb:{ns}:events   KEYS[7] = rb:{ns}:results
+-- KEYS[6+2i] = rb:{ns}:session:<sid_i>    KEYS[7+2i] = rb:{ns}:requeue:<workload_i>
+-- ARGV[1] = the broker's lease token, or '' when the backend's own worker hands sessions back
+-- ARGV[2] = backend id   ARGV[3] = now   ARGV[4] = why (kept as the session's last_error)
+-- ARGV[5] = 'dead' (only if the backend's heartbeat is gone) or 'any'   ARGV[5+i] = sid_i
+-- The broker passes its token (returns 'lease' unless it holds the lease): 'dead' for a
+-- backend whose heartbeat expired (returns 'alive', doing nothing, if it is back; drops the
+-- admitted stream once the backend holds nothing, so its worker registers again), 'any' for
+-- sessions a live backend's worker lost. The worker passes '' and 'any' for sessions its
+-- engine could not serve.
+-- Returns {requeued, failed}.
+-- Invariant: each listed session still admitted/running on this backend leaves it in one step:
+-- its reservation is released exactly and its admitted entry acked and deleted. A session that
+-- was running counts an attempt; if that reaches the session's max_attempts it ends 'failed'
+-- with one published result naming why, else it goes to the front of its workload (the requeue
+-- stream) as 'pending', keeping its original enqueue time, with requeued_from = b so a late
+-- finish from b is still accepted while nobody else has it (see finish.lua).
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 'lease'
+end
+local dead = ARGV[5] == 'dead'
+if dead and redis.call('EXISTS', KEYS[2]) == 1 then
+  return 'alive'
+end
+local requeued, failed = 0, 0
+local n = (#KEYS - 7) / 2
+for i = 1, n do
+  local skey, rkey, sid = KEYS[6 + 2 * i], KEYS[7 + 2 * i], ARGV[5 + i]
+  local st = redis.call('HMGET', skey, 'state', 'backend', 'workload', 'session', 'enqueued_at',
+    'admitted_entry', 'attempts')
+  local charge = redis.call('HGET', KEYS[4], sid)
+  if charge then
+    redis.call('HDEL', KEYS[4], sid)
+    redis.call('HINCRBY', KEYS[3], 'reserved', -tonumber(charge))
+    if st[3] then
+      redis.call('HINCRBY', KEYS[3], 'w:' .. st[3], -tonumber(charge))
+    end
+  end
+  if (st[1] == 'admitted' or st[1] == 'running') and st[2] == ARGV[2] then
+    if st[6] then
+      redis.call('XACK', KEYS[5], 'workers', st[6])
+      redis.call('XDEL', KEYS[5], st[6])
+    end
+    local attempts = tonumber(st[7] or '0')
+    if st[1] == 'running' then
+      attempts = attempts + 1
+    end
+    local ok, session = pcall(cjson.decode, st[4])
+    local max_attempts = 3
+    if ok and type(session) == 'table' and tonumber(session.max_attempts) then
+      max_attempts = tonumber(session.max_attempts)
+    end
+    redis.call('HDEL', skey, 'backend', 'reserved', 'admitted_at', 'admitted_entry', 'running_at')
+    if attempts >= max_attempts then
+      local why = 'gave up after ' .. attempts .. ' attempts; the last: ' .. ARGV[4]
+      local result = {session_id = sid, workload = st[3], status = 'failed', backend_id = ARGV[2],
+        error = why, enqueued_at = tonumber(st[5]), finished_at = tonumber(ARGV[3])}
+      if ok and type(session) == 'table' then
+        result.group_id = session.group_id
+        result.policy_version = session.policy_version
+      end
+      redis.call('XADD', KEYS[7], '*', 'sid', sid, 'workload', st[3], 'status', 'failed',
+        'result', cjson.encode(result), 'stats', '{}')
+      redis.call('HSET', skey, 'state', 'failed', 'finished_at', ARGV[3], 'attempts', attempts,
+        'last_error', ARGV[4])
+      failed = failed + 1
+    else
+      local id = redis.call('XADD', rkey, '*', 'sid', sid, 'session', st[4],
+        'enqueued_at', st[5] or ARGV[3])
+      redis.call('HSET', skey, 'state', 'pending', 'pending_entry', id, 'requeued_at', ARGV[3],
+        'requeued_from', ARGV[2], 'attempts', attempts, 'last_error', ARGV[4])
+      requeued = requeued + 1
+    end
+  end
+end
+if dead and redis.call('HLEN', KEYS[4]) == 0 then
+  redis.call('DEL', KEYS[5])
+end
+if requeued + failed > 0 then
+  redis.call('XADD', KEYS[6], 'MAXLEN', '~', '10000', '*', 'kind', 'requeue', 'backend', ARGV[2])
+end
+return {requeued, failed}
