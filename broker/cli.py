@@ -30,12 +30,13 @@ def sim_engine(
     kv_tokens: Annotated[Optional[int], typer.Option(help="override the profile's KV capacity in tokens")] = None,
     seed: Annotated[int, typer.Option(help="seed for end-of-sequence lengths and token ids")] = 0,
     model_name: Annotated[Optional[str], typer.Option(help="served model name (default: the profile's)")] = None,
+    fault_injection: Annotated[bool, typer.Option(help="serve POST /sim/faults (fault drills: a slow /metrics)")] = False,
 ) -> None:
     """Serve a simulated vLLM v1 engine over vLLM's OpenAI-compatible HTTP API."""
     from sim.server.app import serve
 
     serve(host=host, port=port, profile=profile, time_scale=time_scale, kv_tokens=kv_tokens,
-          seed=seed, model_name=model_name)
+          seed=seed, model_name=model_name, fault_injection=fault_injection)
 
 
 @app.command("broker")
@@ -96,6 +97,9 @@ def worker(
     kv_tokens: Annotated[Optional[int], typer.Option(help="sim engines: KV capacity in tokens")] = None,
     seed: Annotated[int, typer.Option(help="sim engines: seed")] = 0,
     tools: Annotated[str, typer.Option(help="where tool calls and rewards run: inline | rq")] = "inline",
+    tool_config: Annotated[Optional[str], typer.Option(
+        help="TOML file registering the tools and rewards sessions may name (inline tools)",
+        envvar="RB_TOOL_CONFIG")] = None,
     tool_timeout: Annotated[float, typer.Option(help="seconds one tool or reward call may take")] = 60.0,
     tool_retries: Annotated[int, typer.Option(help="rq: retries of a failed tool job")] = 1,
     engine_retries: Annotated[int, typer.Option(help="retries of a turn on engine 5xx/timeouts")] = 3,
@@ -103,36 +107,54 @@ def worker(
     heartbeat_s: Annotated[float, typer.Option(help="seconds between heartbeats")] = 1.0,
     heartbeat_ttl: Annotated[float, typer.Option(help="seconds a heartbeat stays valid")] = 3.0,
     drain_grace: Annotated[float, typer.Option(help="SIGTERM: seconds running sessions may finish")] = 30.0,
+    engine_down_after: Annotated[float, typer.Option(help="seconds without an answer from the engine's /health before its sessions are handed back")] = 30.0,
+    vocab_size: Annotated[Optional[int], typer.Option(help="the served vocabulary size, if the engine does not report it (token ids must be below it)")] = None,
     ready_timeout: Annotated[float, typer.Option(help="seconds to wait for the engine's /health")] = 600.0,
     log_level: Annotated[str, typer.Option(help="logging level")] = "INFO",
 ) -> None:
     """Run admitted sessions on one engine (attached, or started as a child) until SIGTERM."""
     import logging
 
-    from workers.main import EngineOptions, ToolOptions, run_worker
+    from workers.main import EngineOptions, ToolOptions, WorkerConfigError, run_worker
     from workers.runner import RunnerSettings
     from workers.worker import WorkerSettings
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # One INFO line per engine request (every turn, every /metrics poll) would drown the log.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     settings = WorkerSettings(
         backend_id=backend_id, redis_url=redis_url, namespace=namespace, heartbeat_s=heartbeat_s,
         heartbeat_ttl_s=heartbeat_ttl, drain_grace_s=drain_grace,
+        engine_down_after_s=engine_down_after, vocab_size=vocab_size,
         runner=RunnerSettings(request_timeout_s=request_timeout, retries=engine_retries))
-    run_worker(settings,
-               EngineOptions(spec=engine, time_scale=time_scale, kv_tokens=kv_tokens, seed=seed,
-                             ready_timeout_s=ready_timeout),
-               ToolOptions(kind=tools, timeout_s=tool_timeout, retries=tool_retries))
+    try:
+        run_worker(settings,
+                   EngineOptions(spec=engine, time_scale=time_scale, kv_tokens=kv_tokens,
+                                 seed=seed, ready_timeout_s=ready_timeout),
+                   ToolOptions(kind=tools, timeout_s=tool_timeout, retries=tool_retries,
+                               config=tool_config))
+    except WorkerConfigError as exc:  # a bad option, named, before anything started
+        typer.echo(f"rollout-broker worker: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command("tools")
 def tools_worker(
     redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
+    tool_config: Annotated[Optional[str], typer.Option(
+        help="TOML file registering the tools and rewards sessions may name",
+        envvar="RB_TOOL_CONFIG")] = None,
     burst: Annotated[bool, typer.Option(help="exit when the queues are empty")] = False,
 ) -> None:
     """Run a CPU tool worker: an RQ worker on the `tools` and `rewards` queues."""
-    from workers.tools import run_tool_worker
+    from workers.tools import RegistryError, load_registry, run_tool_worker
 
-    run_tool_worker(redis_url, burst=burst)
+    try:
+        registry = load_registry(tool_config)
+    except RegistryError as exc:
+        typer.echo(f"rollout-broker tools: {exc}", err=True)
+        raise typer.Exit(2) from None
+    run_tool_worker(redis_url, registry, burst=burst)
 
 
 @app.command("demo")
@@ -170,11 +192,11 @@ def api(
 ) -> None:
     """Serve the status API, Prometheus metrics and the live dashboard."""
     from api.app import serve
-    from api.settings import ApiSettings
+    from api.settings import make_settings
 
-    settings = ApiSettings(host=host, port=port, redis_url=redis_url, namespace=namespace,
-                           token=token or None)
     try:
+        settings = make_settings(host=host, port=port, redis_url=redis_url, namespace=namespace,
+                                 token=token or None)
         serve(settings, log_level=log_level.lower())
     except ValueError as exc:
         typer.echo(f"rollout-broker api: {exc}", err=True)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from broker.binaries import find_executable
 from broker.heartbeat import EngineMetrics
 from broker.redis_server import free_port
 
@@ -146,7 +147,7 @@ class EngineHandle:
 
 def open_engine(spec: EngineSpec, time_scale: float = 1.0, kv_tokens: int | None = None,
                 seed: int = 0, ready_timeout_s: float = 120.0,
-                vllm_executable: str = "vllm") -> EngineHandle:
+                vllm_executable: str | None = None) -> EngineHandle:
     if spec.kind == "attach":
         url = spec.target.rstrip("/")
         wait_healthy(url, ready_timeout_s)
@@ -154,7 +155,11 @@ def open_engine(spec: EngineSpec, time_scale: float = 1.0, kv_tokens: int | None
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     if spec.kind == "vllm":
-        cmd = vllm_command(spec.target, port, spec.args, vllm_executable)
+        exe = vllm_executable or find_executable("vllm")
+        if exe is None:
+            raise RuntimeError("engine: vllm: no `vllm` program beside this Python or on PATH; "
+                               "pip install vllm, or run the engine yourself and use attach:URL")
+        cmd = vllm_command(spec.target, port, spec.args, exe)
     else:
         cmd = sim_command(spec.target, port, time_scale, kv_tokens, seed)
     return EngineHandle(url, ChildEngine(cmd, url).start(ready_timeout_s))
@@ -218,6 +223,7 @@ class EngineInfo:
     model: str
     max_model_len: int
     capacity_tokens: int
+    vocab_size: int | None = None  # when the model card says (the simulator's does; vLLM's not)
 
 
 def read_engine_info(url: str, timeout_s: float = 10.0) -> EngineInfo:
@@ -230,6 +236,8 @@ def read_engine_info(url: str, timeout_s: float = 10.0) -> EngineInfo:
     if scrape.capacity_tokens is None:
         raise RuntimeError(f"engine: {url}/metrics has no vllm:cache_config_info with "
                            "num_gpu_blocks and block_size")
+    vocab = card.get("vocab_size")
     return EngineInfo(model=card["id"], max_model_len=int(card.get("max_model_len") or 0)
-                      or scrape.capacity_tokens, capacity_tokens=scrape.capacity_tokens)
+                      or scrape.capacity_tokens, capacity_tokens=scrape.capacity_tokens,
+                      vocab_size=int(vocab) if isinstance(vocab, int) and vocab > 0 else None)
 

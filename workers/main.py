@@ -11,8 +11,9 @@ import logging
 import signal
 from dataclasses import dataclass
 
-from workers.engine import EngineSpec, open_engine
-from workers.tools import make_executor
+from broker.binaries import find_executable
+from workers.engine import EngineSpec, open_engine, vllm_command
+from workers.tools import load_registry, make_executor
 from workers.worker import Worker, WorkerSettings
 
 log = logging.getLogger("rollout_broker.worker")
@@ -32,6 +33,7 @@ class ToolOptions:
     kind: str = "inline"  # inline | rq
     timeout_s: float = 60.0
     retries: int = 1  # rq only
+    config: str | None = None  # the operator's TOML registry (inline; rq: the tool workers')
 
 
 async def _serve(worker: Worker) -> None:
@@ -51,14 +53,34 @@ async def _serve(worker: Worker) -> None:
         await worker.tools.aclose()
 
 
+class WorkerConfigError(ValueError):
+    """An option that cannot work, named; raised before anything starts."""
+
+
 def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptions) -> None:
-    spec = EngineSpec.parse(engine.spec)
+    """Check the options (`WorkerConfigError` naming the bad one, before anything starts), open
+    the engine, serve until a signal, close the engine."""
+    try:
+        spec = EngineSpec.parse(engine.spec)
+        if spec.kind == "vllm":
+            vllm_command(spec.target, 0, spec.args)  # refuses --host/--port in the args
+            if find_executable("vllm") is None:
+                raise ValueError("engine: vllm: no `vllm` program beside this Python or on "
+                                 "PATH; pip install vllm, or run the engine yourself and use "
+                                 "attach:URL")
+        if tools.kind not in ("inline", "rq"):
+            raise ValueError(f"tools: {tools.kind!r} must be 'inline' or 'rq'")
+        # With rq the tool workers' registry is the one that counts; theirs is loaded there.
+        registry = load_registry(tools.config) if tools.kind == "inline" else None
+    except ValueError as exc:
+        raise WorkerConfigError(str(exc)) from None
     settings.runner.time_scale = engine.time_scale
     handle = open_engine(spec, time_scale=engine.time_scale, kv_tokens=engine.kv_tokens,
                          seed=engine.seed, ready_timeout_s=engine.ready_timeout_s)
     try:
         log.info("worker %s: engine at %s", settings.backend_id, handle.url)
-        executor = make_executor(tools.kind, settings.redis_url, tools.timeout_s, tools.retries)
+        executor = make_executor(tools.kind, settings.redis_url, tools.timeout_s, tools.retries,
+                                 registry)
         asyncio.run(_serve(Worker(settings, handle.url, executor)))
     finally:
         handle.close()

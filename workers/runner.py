@@ -2,9 +2,16 @@
 
 Every turn is one `/v1/completions` call with token ids and `return_token_ids`, so the reply
 carries the generated ids and turn k+1's prompt is turn k's whole history (prompt + output ids
-+ observation ids): the engine's prefix cache serves everything but the new tail. Engine 5xx,
-timeouts and broken connections are retried with exponential backoff; a 4xx or the last retry
-failing ends the session as `failed` with the reason. A tool or reward failure does the same.
++ observation ids): the engine's prefix cache serves everything but the new tail.
+
+Whose fault a failure is decides what happens to the session:
+- the session's own (the engine refuses the request with a 4xx, a token id outside the
+  vocabulary, its tool or reward fails or is not registered, its metadata cannot be read):
+  it ends `failed` with the reason;
+- the engine's (connection refused or broken, a timeout, 5xx after the retries with
+  exponential backoff) or the tool service's: `run` raises `EngineUnavailable` (or
+  `ToolUnavailable`) and the worker hands the session back to be run again, elsewhere if this
+  engine is down (see workers/worker.py).
 Nothing here touches Redis: the worker publishes what `run` returns.
 """
 
@@ -24,16 +31,18 @@ from workers.tools import (
     ToolCall,
     ToolError,
     ToolExecutor,
+    ToolUnavailable,
     describe_error,
     per_turn_value,
 )
 
-DEFAULT_TOOL = "sim"
-DEFAULT_SCORER = "parity"
-
-
 class EngineError(RuntimeError):
-    """The engine refused a turn or kept failing after the retries; the message says why."""
+    """The engine refused the session's request (a 4xx): the session's fault; says why."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine did not serve a turn (unreachable, timed out, 5xx after the retries): not the
+    session's fault, so it is handed back rather than failed; the message says why."""
 
 
 @dataclass(slots=True)
@@ -84,11 +93,13 @@ def _sim_output_len(session: Session, turn: int) -> int | None:
 
 class SessionRunner:
     def __init__(self, http: httpx.AsyncClient, engine_url: str, model: str, max_model_len: int,
-                 tools: ToolExecutor, settings: RunnerSettings | None = None) -> None:
+                 tools: ToolExecutor, settings: RunnerSettings | None = None,
+                 vocab_size: int | None = None) -> None:
         self.http = http
         self.url = f"{engine_url.rstrip('/')}/v1/completions"
         self.model = model
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.tools = tools
         self.settings = settings or RunnerSettings()
 
@@ -139,9 +150,12 @@ class SessionRunner:
             last = f"HTTP {r.status_code}: {r.text[:300]}"
             if r.status_code < 500:
                 raise EngineError(f"engine: {last}")
-        raise EngineError(f"engine: {last} (after {cfg.retries + 1} attempts)")
+        raise EngineUnavailable(f"engine: {last} (after {cfg.retries + 1} attempts)")
 
     async def run(self, session: Session, progress: Progress | None = None) -> Outcome:
+        """Run the session to its end. Returns its outcome (`done`, or `failed` with the
+        reason when the fault is the session's); raises `EngineUnavailable` when it is the
+        engine's."""
         progress = progress or Progress(session.session_id)
         turns: list[Turn] = []
         tool_wait = kv_seconds = 0.0
@@ -152,6 +166,7 @@ class SessionRunner:
         history: list[int] | str = session.prompt_token_ids or session.prompt_text or ""
         meta = session.metadata
         try:
+            self._check_vocabulary(session)
             for turn in range(session.max_turns):
                 context = len(history) if isinstance(history, list) else session.prompt_len_hint
                 max_tokens = min(session.max_tokens, self.max_model_len - context)
@@ -178,7 +193,7 @@ class SessionRunner:
                 t0 = time.monotonic()
                 outcome = await self.tools.call_tool(ToolCall(
                     session_id=session.session_id, workload=session.workload,
-                    tool=str(meta.get("tool", DEFAULT_TOOL)), turn=turn,
+                    tool=session.tool or "", turn=turn,
                     max_turns=session.max_turns, output_token_ids=rec.output_token_ids,
                     context_tokens=len(history), metadata=dict(meta),
                     time_scale=self.settings.time_scale))
@@ -189,14 +204,19 @@ class SessionRunner:
                 if outcome.done:
                     break
                 history = history + outcome.observation_token_ids
-            progress.waiting_on_tool = True
-            reward = await self.tools.score(RewardCall(
-                session_id=session.session_id, workload=session.workload,
-                scorer=str(meta.get("reward", DEFAULT_SCORER)),
-                output_token_ids=[t.output_token_ids for t in turns], metadata=dict(meta),
-                time_scale=self.settings.time_scale))
+            if session.reward is not None:
+                progress.waiting_on_tool = True
+                reward = await self.tools.score(RewardCall(
+                    session_id=session.session_id, workload=session.workload,
+                    scorer=session.reward,
+                    output_token_ids=[t.output_token_ids for t in turns], metadata=dict(meta),
+                    time_scale=self.settings.time_scale))
         except (EngineError, ToolError) as exc:
             error = str(exc)
+        except (EngineUnavailable, ToolUnavailable):
+            raise
+        except Exception as exc:  # the session's data broke something (e.g. metadata that is
+            error = f"session: {describe_error(exc)}"  # not what it claims): its fault, not ours
         finally:
             progress.waiting_on_tool = False
         result = SessionResult(
@@ -211,3 +231,10 @@ class SessionRunner:
                                 tool_wait_s=tool_wait, kv_token_seconds=kv_seconds,
                                 truncated=truncated)
         return Outcome(result=result, stats=stats, turns=turns)
+
+    def _check_vocabulary(self, session: Session) -> None:
+        if self.vocab_size is not None and session.prompt_token_ids:
+            top = max(session.prompt_token_ids)
+            if top >= self.vocab_size:
+                raise EngineError(f"prompt_token_ids: token id {top} is not below the engine's "
+                                  f"vocabulary size {self.vocab_size}")

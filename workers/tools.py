@@ -2,37 +2,68 @@
 
 A tool is a plain function `fn(call: dict) -> dict` taking a `ToolCall` as JSON and returning a
 `ToolOutcome` as JSON; a reward scorer is `fn(call: dict) -> float` taking a `RewardCall`. JSON
-both ways, so RQ stores them with its JSONSerializer (never pickle). A session picks them by name
-in its metadata: `tool` (default `sim`) and `reward` (default `parity`); a name is either one of
-`TOOLS` / `SCORERS` or `package.module:function` (the trainer is trusted to name code the tool
-workers have installed).
+both ways, so RQ stores them with its JSONSerializer (never pickle).
+
+Which functions may run is the operator's choice, never the session's: a session names a key
+(`metadata.tool`, `metadata.reward`) of the `ToolRegistry` the worker (or the RQ tool worker)
+loaded at start, from
+- the built-ins: tool `sim` (the simulated tool) and reward `parity` (a stand-in score);
+- Python entry points of installed packages, groups `rollout_broker.tools` and
+  `rollout_broker.rewards` (`name = "package.module:function"`);
+- a TOML file given with `--tool-config` or `RB_TOOL_CONFIG`:
+
+      [tools]
+      search = "my_env.tools:search"
+      [rewards]
+      math = "my_env.rewards:math_verify"
+
+  (later sources replace earlier keys). Every entry is imported at start, so a typo stops the
+  process with one line naming it. A key that is not registered fails only the session naming
+  it (`ToolError`); a session that names no reward gets `reward: null`.
 
 Executors:
 - `InlineExecutor` runs the function on a thread of the worker (tests, the demo). A timeout
   abandons the call (a Python thread cannot be killed), so the session fails on time.
 - `RqExecutor` enqueues on RQ queues `tools` and `rewards` with RQ's job timeout (the work horse
   is killed), `Retry(max=retries)`, and its failed-job registry keeping what failed for
-  `failure_ttl`. CPU tool workers: `rollout-broker tools --redis-url URL`. One poller task per
-  executor fetches the status of every job in flight in one round trip per tick.
-Both raise `ToolError` with the reason when the call fails or times out.
+  `failure_ttl`. CPU tool workers: `rollout-broker tools --redis-url URL`; the registry that
+  counts is theirs. One poller task per executor fetches the status of every job in flight in
+  one round trip per tick, and rides out a Redis outage until the call's deadline.
+Both raise `ToolError` with the reason when the call fails or times out (the session's fault),
+`ToolUnavailable` when the tool service itself could not be used (the worker hands the session
+back); nothing a tool raises (`SystemExit` included) escapes the session's task.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import math
+import os
 import threading
 import time
+import tomllib
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from broker.redis_conn import BACKOFF_CAP_S, Outage, connect, is_outage
+from broker.session import REGISTRY_KEY_RE
+
+log = logging.getLogger("rollout_broker.tools")
+
 TOOLS_QUEUE = "tools"
 REWARDS_QUEUE = "rewards"
+TOOL_ENTRY_POINTS = "rollout_broker.tools"
+REWARD_ENTRY_POINTS = "rollout_broker.rewards"
+TOOL_CONFIG_ENV = "RB_TOOL_CONFIG"
 DEFAULT_VOCAB = 32_000  # below every profile's vocabulary, so simulated ids are valid anywhere
 
 Metadata = dict[str, str | int | float | bool]
@@ -40,6 +71,11 @@ Metadata = dict[str, str | int | float | bool]
 
 class ToolError(RuntimeError):
     """A tool or scorer call that failed or timed out; the message is the session's error."""
+
+
+class ToolUnavailable(RuntimeError):
+    """The tool service could not be used (Redis down past the call's deadline, no tool worker
+    taking jobs): not the session's fault, so the worker hands the session back."""
 
 
 class ToolCall(BaseModel):
@@ -128,30 +164,115 @@ def parity_scorer(call: dict) -> float:
     return sum(1 for t in last if t % 2 == 0) / len(last) if last else 0.0
 
 
-TOOLS: dict[str, Callable[[dict], dict]] = {"sim": sim_tool}
-SCORERS: dict[str, Callable[[dict], float]] = {"parity": parity_scorer}
+class RegistryError(ValueError):
+    """The operator's tool configuration is unusable; the message names the entry."""
 
 
-def resolve(name: str, registry: dict[str, Callable]) -> Callable:
-    if name in registry:
-        return registry[name]
-    module, sep, attr = name.partition(":")
-    if not sep:
-        raise ToolError(f"tool: unknown name {name!r}; known: {', '.join(sorted(registry))} "
-                        "or package.module:function")
+@dataclass(frozen=True, slots=True)
+class ToolRegistry:
+    """The tools and reward scorers sessions may name, by key."""
+
+    tools: Mapping[str, Callable[[dict], dict]]
+    rewards: Mapping[str, Callable[[dict], float]]
+
+    def tool(self, name: str) -> Callable[[dict], dict]:
+        fn = self.tools.get(name)
+        if fn is None:
+            raise ToolError(f"tool: {name!r} is not registered on this worker; registered: "
+                            f"{', '.join(sorted(self.tools)) or 'none'}")
+        return fn
+
+    def reward(self, name: str) -> Callable[[dict], float]:
+        fn = self.rewards.get(name)
+        if fn is None:
+            raise ToolError(f"reward: {name!r} is not registered on this worker; registered: "
+                            f"{', '.join(sorted(self.rewards)) or 'none'}")
+        return fn
+
+
+BUILTIN_TOOLS: dict[str, Callable[[dict], dict]] = {"sim": sim_tool}
+BUILTIN_REWARDS: dict[str, Callable[[dict], float]] = {"parity": parity_scorer}
+
+
+def _import_callable(target: object, where: str) -> Callable:
+    if not isinstance(target, str) or target.count(":") != 1:
+        raise RegistryError(f"{where}: {target!r} must be 'package.module:function'")
+    module, attr = target.split(":")
     try:
-        return getattr(importlib.import_module(module), attr)
+        fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
-        raise ToolError(f"tool: cannot import {name!r}: {exc}") from None
+        raise RegistryError(f"{where}: cannot import {target!r}: {exc}") from None
+    if not callable(fn):
+        raise RegistryError(f"{where}: {target!r} is not callable")
+    return fn
+
+
+def _check_key(key: str, where: str) -> str:
+    if not REGISTRY_KEY_RE.match(key):
+        raise RegistryError(f"{where}: key {key!r} must be 1-64 letters, digits, '_', '.' or '-'")
+    return key
+
+
+def load_registry(config: str | Path | None = None) -> ToolRegistry:
+    """Built-ins, then installed entry points, then the TOML file `config` (see the module)."""
+    tools: dict[str, Callable] = dict(BUILTIN_TOOLS)
+    rewards: dict[str, Callable] = dict(BUILTIN_REWARDS)
+    for group, table in ((TOOL_ENTRY_POINTS, tools), (REWARD_ENTRY_POINTS, rewards)):
+        for ep in entry_points(group=group):
+            where = f"entry point {group}.{ep.name}"
+            table[_check_key(ep.name, where)] = _import_callable(ep.value, where)
+    if config:  # None or "" (an unset environment variable): no file
+        path = Path(config)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise RegistryError(f"tool-config: cannot read {str(path)!r}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise RegistryError(f"tool-config: {str(path)!r} is not valid TOML: {exc}") from None
+        unknown = set(data) - {"tools", "rewards"}
+        if unknown:
+            raise RegistryError(f"tool-config: unknown table(s) {', '.join(sorted(unknown))} in "
+                                f"{str(path)!r}; expected [tools] and [rewards]")
+        for section, table in (("tools", tools), ("rewards", rewards)):
+            entries = data.get(section, {})
+            if not isinstance(entries, dict):
+                raise RegistryError(f"tool-config: [{section}] must be a table of "
+                                    "key = \"package.module:function\"")
+            for key, target in entries.items():
+                where = f"tool-config {section}.{key}"
+                table[_check_key(key, where)] = _import_callable(target, where)
+    return ToolRegistry(tools=tools, rewards=rewards)
+
+
+_active: ToolRegistry | None = None
+_active_lock = threading.Lock()
+
+
+def use_registry(registry: ToolRegistry) -> None:
+    """Make `registry` the one RQ jobs in this process resolve names in."""
+    global _active
+    with _active_lock:
+        _active = registry
+
+
+def active_registry() -> ToolRegistry:
+    """This process's registry: the one set by `use_registry`, else loaded once from
+    $RB_TOOL_CONFIG (or the built-ins and entry points alone)."""
+    global _active
+    with _active_lock:
+        if _active is None:
+            _active = load_registry(os.environ.get(TOOL_CONFIG_ENV) or None)
+        return _active
 
 
 def run_tool(call: dict) -> dict:
-    """The RQ job (and the inline call): resolve the session's tool and run it."""
-    return resolve(call["tool"], TOOLS)(call)
+    """The RQ job: run the session's tool as this process's registry names it."""
+    return active_registry().tool(call["tool"])(call)
 
 
 def run_reward(call: dict) -> float:
-    return float(resolve(call["scorer"], SCORERS)(call))
+    """The RQ job: score with the session's reward as this process's registry names it."""
+    return float(active_registry().reward(call["scorer"])(call))
 
 
 # -- executors ------------------------------------------------------------------------------
@@ -170,10 +291,12 @@ def describe_error(exc: BaseException) -> str:
 
 class InlineExecutor:
     """Each call on a daemon thread of its own: a tool that sleeps (the simulated one) costs no
-    CPU, and a call abandoned on timeout or drain never holds up the worker's exit."""
+    CPU, and a call abandoned on timeout or drain never holds up the worker's exit. Names are
+    resolved in `registry` (default: `active_registry()`)."""
 
-    def __init__(self, timeout_s: float = 60.0) -> None:
+    def __init__(self, timeout_s: float = 60.0, registry: ToolRegistry | None = None) -> None:
         self.timeout_s = timeout_s
+        self.registry = registry or active_registry()
 
     async def _run(self, what: str, fn: Callable[[dict], Any], payload: dict) -> Any:
         loop = asyncio.get_running_loop()
@@ -186,8 +309,10 @@ class InlineExecutor:
         def target() -> None:
             try:
                 value, ok = fn(payload), True
-            except BaseException as exc:  # handed to the caller, who decides
+            except Exception as exc:  # handed to the caller, who decides
                 value, ok = exc, False
+            except BaseException as exc:  # SystemExit, KeyboardInterrupt: the tool's, not ours
+                value, ok = ToolError(f"{what}: raised {describe_error(exc)}"), False
             try:
                 loop.call_soon_threadsafe(settle, ok, value)
             except RuntimeError:  # the loop is gone: nobody waits for this call any more
@@ -205,11 +330,13 @@ class InlineExecutor:
             raise ToolError(f"{what}: {describe_error(exc)}") from None
 
     async def call_tool(self, call: ToolCall) -> ToolOutcome:
-        out = await self._run(f"tool {call.tool}", run_tool, call.model_dump())
+        fn = self.registry.tool(call.tool)
+        out = await self._run(f"tool {call.tool}", fn, call.model_dump())
         return ToolOutcome.model_validate(out)
 
     async def score(self, call: RewardCall) -> float:
-        return float(await self._run(f"reward {call.scorer}", run_reward, call.model_dump()))
+        fn = self.registry.reward(call.scorer)
+        return float(await self._run(f"reward {call.scorer}", fn, call.model_dump()))
 
     async def aclose(self) -> None:
         """Nothing to release: abandoned calls end on their own daemon threads."""
@@ -220,7 +347,6 @@ class RqExecutor:
 
     def __init__(self, redis_url: str, timeout_s: float = 60.0, retries: int = 1,
                  poll_s: float = 0.05, failure_ttl_s: int = 24 * 3600) -> None:
-        import redis
         from rq import Queue
         from rq.serializers import JSONSerializer
 
@@ -228,7 +354,8 @@ class RqExecutor:
         self.retries = retries
         self.poll_s = poll_s
         self.failure_ttl_s = failure_ttl_s
-        self._redis = redis.Redis.from_url(redis_url)
+        self._redis = connect(redis_url)
+        self._outage = Outage("rq tool calls", log)
         self._serializer = JSONSerializer
         self._queues = {name: Queue(name, connection=self._redis, serializer=JSONSerializer)
                         for name in (TOOLS_QUEUE, REWARDS_QUEUE)}
@@ -246,10 +373,17 @@ class RqExecutor:
         return job.id
 
     async def _submit(self, queue: str, what: str, fn: Callable, payload: dict) -> Any:
-        job_id = await asyncio.to_thread(self._enqueue, queue, fn, payload)
-        fut = asyncio.get_running_loop().create_future()
         # Past every attempt's RQ timeout plus slack: no tool worker is taking the jobs.
         deadline = time.monotonic() + self.timeout_s * (self.retries + 1) + 30.0
+        try:  # a Redis outage is waited out, up to the call's own deadline
+            job_id = await asyncio.to_thread(self._outage.call, self._enqueue, queue, fn,
+                                             payload, deadline=deadline)
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            raise ToolUnavailable(f"{what}: could not enqueue the rq job: redis unavailable "
+                                  f"({type(exc).__name__})") from None
+        fut = asyncio.get_running_loop().create_future()
         self._waiting[job_id] = (fut, what, deadline)
         if self._poller is None or self._poller.done():
             self._poller = asyncio.get_running_loop().create_task(self._poll(), name="rq-poller")
@@ -262,7 +396,7 @@ class RqExecutor:
         for job_id, job in zip(ids, Job.fetch_many(ids, connection=self._redis,
                                                    serializer=self._serializer)):
             if job is None:
-                out[job_id] = ("failed", "job vanished from Redis")
+                out[job_id] = ("gone", "job vanished from Redis")
                 continue
             status = job.get_status(refresh=False)
             if status == JobStatus.FINISHED:
@@ -280,10 +414,14 @@ class RqExecutor:
             ids = list(self._waiting)
             try:
                 done = await asyncio.to_thread(self._statuses, ids)
-            except Exception as exc:  # Redis hiccup: try again next tick
+            except Exception as exc:  # an outage: try again next tick, until each deadline
+                if not is_outage(exc):
+                    raise
+                self._outage.failed(exc)
                 done = {}
                 last_error = describe_error(exc)
             else:
+                self._outage.ok()
                 last_error = ""
             now = time.monotonic()
             for job_id in ids:
@@ -296,12 +434,15 @@ class RqExecutor:
                     del self._waiting[job_id]
                     if kind == "ok":
                         fut.set_result(value)
+                    elif kind == "gone":
+                        fut.set_exception(ToolUnavailable(f"{what}: {value} (rq job {job_id})"))
                     else:
                         fut.set_exception(ToolError(f"{what}: {value} (rq job {job_id})"))
                 elif now > deadline:
                     del self._waiting[job_id]
                     why = f"; {last_error}" if last_error else "; is a tool worker running?"
-                    fut.set_exception(ToolError(f"{what}: no result from rq job {job_id}{why}"))
+                    fut.set_exception(ToolUnavailable(
+                        f"{what}: no result from rq job {job_id}{why}"))
 
     async def call_tool(self, call: ToolCall) -> ToolOutcome:
         out = await self._submit(TOOLS_QUEUE, f"tool {call.tool}", run_tool, call.model_dump())
@@ -317,23 +458,54 @@ class RqExecutor:
         self._redis.close()
 
 
-def make_executor(kind: str, redis_url: str, timeout_s: float = 60.0, retries: int = 1
-                  ) -> InlineExecutor | RqExecutor:
+def make_executor(kind: str, redis_url: str, timeout_s: float = 60.0, retries: int = 1,
+                  registry: ToolRegistry | None = None) -> InlineExecutor | RqExecutor:
     if kind == "inline":
-        return InlineExecutor(timeout_s)
+        return InlineExecutor(timeout_s, registry)
     if kind == "rq":
         return RqExecutor(redis_url, timeout_s, retries)
     raise ValueError(f"tools: {kind!r} must be 'inline' or 'rq'")
 
 
-def run_tool_worker(redis_url: str, queues: tuple[str, ...] = (TOOLS_QUEUE, REWARDS_QUEUE),
-                    burst: bool = False, name: str | None = None) -> None:
-    """`rollout-broker tools`: an RQ worker on the tool and reward queues (JSON serializer)."""
-    import redis
+def run_tool_worker(redis_url: str, registry: ToolRegistry,
+                    queues: tuple[str, ...] = (TOOLS_QUEUE, REWARDS_QUEUE), burst: bool = False,
+                    name: str | None = None, stop: threading.Event | None = None) -> None:
+    """`rollout-broker tools`: an RQ worker on the tool and reward queues (JSON serializer),
+    running the functions of `registry`.
+
+    RQ waits out a lost connection while it listens, but quits its loop on one in the middle of
+    a job; this loop then waits for Redis and starts RQ's loop again, so a Redis restart never
+    ends the process. SIGTERM/SIGINT stop it (RQ's warm shutdown), as does setting `stop`."""
     from rq import Queue, Worker
     from rq.serializers import JSONSerializer
 
-    conn = redis.Redis.from_url(redis_url)
-    worker = Worker([Queue(q, connection=conn, serializer=JSONSerializer) for q in queues],
-                    connection=conn, serializer=JSONSerializer, name=name)
-    worker.work(burst=burst, logging_level="WARNING")
+    stop = stop or threading.Event()
+
+    class ToolWorker(Worker):
+        def request_stop(self, signum, frame):  # RQ's handler of SIGTERM/SIGINT
+            stop.set()
+            super().request_stop(signum, frame)
+
+    use_registry(registry)
+    outage = Outage("tool worker", log)
+    conn = connect(redis_url)
+    while not stop.is_set():
+        worker = ToolWorker([Queue(q, connection=conn, serializer=JSONSerializer)
+                             for q in queues],
+                            connection=conn, serializer=JSONSerializer, name=name)
+        worker.max_connection_wait_time = BACKOFF_CAP_S  # RQ's own wait, capped like ours
+        try:
+            worker.work(burst=burst, logging_level="WARNING")
+        except Exception as exc:  # an outage while RQ registers or tears down
+            if not is_outage(exc):
+                raise
+            outage.failed(exc)
+        if burst or stop.is_set():
+            return
+        # RQ left its loop without being asked to: wait for Redis, then start it again.
+        try:
+            outage.call(conn.ping, stop=stop)
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            return  # stopped while Redis was down

@@ -3,12 +3,20 @@
 Asyncio tasks around one `WorkerLink` and one shared `httpx.AsyncClient`, and one thread:
 - pull: `read_admitted` (our backlog first, then new entries), `mark_running_many`, and one task
   per session running `SessionRunner.run`;
-- heartbeat: about once a second, scrape the engine's /metrics and send it with every running
-  session's progress. An engine that does not answer gets no heartbeat: the key expires after
-  its TTL, so the broker stops admitting here and requeues what was here;
-- finish: publishes finished sessions in batches (`finish_many`: result + ledger release + ack).
+- heartbeat (a thread): every `heartbeat_s`, the worker's own liveness with every running
+  session's progress and the engine's latest /metrics numbers *with the time they were taken*.
+  A slow /metrics makes the numbers older, never the beat late;
+- engine watch: GET /health every `heartbeat_s`. A refused connection, or no answer for
+  `engine_down_after_s`, opens the circuit: the worker stops pulling, cancels what runs here,
+  stops beating and withdraws, so the broker requeues everything admitted here at once and
+  admits nothing more. When /health answers again the worker registers and carries on;
+- finish: publishes finished sessions in batches (`finish_many`: result + ledger release + ack),
+  retrying a batch until Redis takes it. A session the engine could not serve (a broken
+  connection, a timeout, 5xx after the retries) is handed back to be run again, an attempt
+  counted; only a session's own fault (a 4xx, its tool or reward) ends it `failed`.
 Blocking Redis calls run on a small thread pool of their own, so a blocked read never delays a
-heartbeat.
+heartbeat. A Redis outage is ridden out: every loop waits with backoff and carries on by itself
+once Redis answers (`broker.redis_conn.Outage`, logged once per outage).
 
 Drain (SIGTERM): stop pulling, let running sessions finish for `drain_grace_s`, cancel the rest,
 then `withdraw`: the broker requeues every session still admitted here (run or not) at once.
@@ -27,11 +35,18 @@ from dataclasses import dataclass, field
 import httpx
 
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
-from broker.worker_link import AdmittedSession, BackendReclaimed, CompletionStats, WorkerLink
-from broker.session import SessionResult
+from broker.redis_conn import Outage, is_outage
+from broker.session import Session, SessionResult, SessionState
+from broker.worker_link import (
+    AdmittedSession,
+    BackendReclaimed,
+    CompletionStats,
+    NotRegistered,
+    WorkerLink,
+)
 from workers.engine import EngineInfo, EngineScrape, parse_metrics, read_engine_info
-from workers.runner import Progress, RunnerSettings, SessionRunner
-from workers.tools import ToolExecutor
+from workers.runner import EngineUnavailable, Progress, RunnerSettings, SessionRunner
+from workers.tools import ToolExecutor, ToolUnavailable, describe_error
 
 log = logging.getLogger("rollout_broker.worker")
 
@@ -46,7 +61,11 @@ class WorkerSettings:
     read_count: int = 256  # admitted entries per read
     read_block_ms: int = 250  # also bounds how long a drain waits for the pull loop to notice
     drain_grace_s: float = 30.0
-    engine_down_after_s: float = 10.0  # no /metrics answer for this long: the engine is down
+    # No /health answer for this long (a hung engine): the engine is down. A refused
+    # connection (nothing listens) is down at once. /metrics latency never counts.
+    engine_down_after_s: float = 30.0
+    health_timeout_s: float = 5.0
+    vocab_size: int | None = None  # token ids must be below it; default: what the engine says
     max_connections: int = 1024  # HTTP connections to the engine (one per running turn)
     runner: RunnerSettings = field(default_factory=RunnerSettings)
 
@@ -55,9 +74,10 @@ class WorkerSettings:
 class WorkerCounters:
     started: int = 0
     finished: int = 0  # results published ('ok')
-    refused: int = 0  # finish replies other than 'ok' (requeued elsewhere, cancelled)
+    refused: int = 0  # finish replies other than 'ok' (another backend has it, cancelled)
     failed: int = 0  # published with status failed
-    handed_back: int = 0  # cancelled by a drain and withdrawn
+    handed_back: int = 0  # given back to the queue (drain, engine down, engine errors)
+    engine_down: int = 0  # times the circuit opened
 
 
 class Worker:
@@ -68,17 +88,32 @@ class Worker:
         self.link = WorkerLink(settings.redis_url, settings.namespace, settings.backend_id,
                                heartbeat_ttl_s=settings.heartbeat_ttl_s)
         self.counters = WorkerCounters()
-        self.engine_healthy = True
+        self.engine_up = True  # the circuit: closed while the engine serves
         self.info: EngineInfo | None = None
+        self._outage = Outage(f"worker {settings.backend_id}", log)
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="redis")
         self._running: dict[str, tuple[asyncio.Task, Progress]] = {}
-        self._scrape_ok: EngineScrape | None = None  # the latest successful /metrics read
-        self._scraped_at = 0.0  # monotonic time of that read
-        self._scrape_error = ""
+        self._scrape: EngineScrape | None = None  # the latest successful /metrics read
+        self._scraped_at = 0.0  # its wall-clock time: the age the heartbeat carries
+        self._health_ok_at = time.monotonic()
+        self._registered = threading.Event()  # beats only while registered and engine up
         self._finished: asyncio.Queue[tuple[SessionResult, CompletionStats]] = asyncio.Queue()
 
     async def _redis(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    async def _redis_until_ok(self, fn, *args):
+        """`fn(*args)` on the Redis pool, waiting out an outage (the call must be idempotent)."""
+        while True:
+            try:
+                out = await self._redis(fn, *args)
+            except Exception as exc:
+                if not is_outage(exc):
+                    raise
+                await asyncio.sleep(self._outage.failed(exc))
+                continue
+            self._outage.ok()
+            return out
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -92,9 +127,11 @@ class Worker:
         timeout = httpx.Timeout(s.runner.request_timeout_s, pool=None)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
             runner = SessionRunner(http, self.engine_url, self.info.model,
-                                   self.info.max_model_len, self.tools, s.runner)
+                                   self.info.max_model_len, self.tools, s.runner,
+                                   vocab_size=s.vocab_size or self.info.vocab_size)
             await self._scrape_once(http)
-            scraper = asyncio.create_task(self._scrape_loop(http), name="scrape")
+            watchers = [asyncio.create_task(self._scrape_loop(http), name="scrape"),
+                        asyncio.create_task(self._watch_engine(http, stop), name="engine-watch")]
             beats_done = threading.Event()
             beats = threading.Thread(target=self._beat_thread, args=(beats_done,),
                                      name=f"heartbeat-{s.backend_id}", daemon=True)
@@ -106,21 +143,37 @@ class Worker:
             finally:
                 beats_done.set()
                 await asyncio.to_thread(beats.join)
-                scraper.cancel()
-                await asyncio.gather(scraper, return_exceptions=True)
+                for w in watchers:
+                    w.cancel()
+                await asyncio.gather(*watchers, return_exceptions=True)
                 await self._finished.join()
                 finisher.cancel()
                 await asyncio.gather(finisher, return_exceptions=True)
-                await self._redis(self.link.withdraw)
+                await self._withdraw(deadline_s=10.0)
                 self._io.shutdown(wait=True)
                 self.link.close()
         log.info("worker %s: stopped (%s)", s.backend_id, self.counters)
 
     async def _register(self) -> None:
         assert self.info is not None
-        await self._redis(self.link.register, self.info.capacity_tokens, self.info.max_model_len)
-        log.info("worker %s: registered, capacity %d tokens, max_model_len %d",
-                 self.settings.backend_id, self.info.capacity_tokens, self.info.max_model_len)
+        vocab = self.settings.vocab_size or self.info.vocab_size
+        await self._redis_until_ok(self.link.register, self.info.capacity_tokens,
+                                   self.info.max_model_len, vocab)
+        self._registered.set()
+        log.info("worker %s: registered, capacity %d tokens, max_model_len %d, vocabulary %s",
+                 self.settings.backend_id, self.info.capacity_tokens, self.info.max_model_len,
+                 vocab or "unknown")
+
+    async def _withdraw(self, deadline_s: float) -> None:
+        """Hand everything admitted here back (see `WorkerLink.withdraw`); if Redis stays down
+        past `deadline_s`, the heartbeat's TTL does the same job."""
+        self._registered.clear()
+        try:
+            await asyncio.wait_for(self._redis_until_ok(self.link.withdraw), deadline_s)
+        except TimeoutError:
+            log.warning("worker %s: could not withdraw (redis unavailable); the broker "
+                        "requeues this backend's sessions when its heartbeat expires",
+                        self.settings.backend_id)
 
     async def _drain(self) -> None:
         tasks = [t for t, _ in self._running.values()]
@@ -133,34 +186,38 @@ class Worker:
             await asyncio.gather(*late, return_exceptions=True)
             self.counters.handed_back += len(late)
 
+    async def _cancel_running(self) -> int:
+        tasks = [t for t, _ in self._running.values()]
+        for task in tasks:
+            task.cancel()
+        # Wait until they are gone, or a re-admitted session would look "running".
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return len(tasks)
+
     # -- pulling and running --------------------------------------------------------------------
     async def _pull_loop(self, runner: SessionRunner, stop: asyncio.Event) -> None:
         s = self.settings
         while not stop.is_set():
-            if not self.engine_healthy:  # admit nothing while the engine is down
+            if not self.engine_up:  # admit nothing while the engine is down
                 await asyncio.sleep(0.2)
                 continue
             try:
-                fresh: list[AdmittedSession] = await self._redis(
+                fresh: list[AdmittedSession] = await self._redis_until_ok(
                     self.link.read_admitted, s.read_count, s.read_block_ms)
             except BackendReclaimed:
                 # Our heartbeat lapsed and the broker requeued our sessions: anything we still
                 # run would be refused at finish, so stop it and start over.
                 log.warning("worker %s: reclaimed by the broker; registering again", s.backend_id)
-                tasks = [t for t, _ in self._running.values()]
-                for task in tasks:
-                    task.cancel()
-                # Wait until they are gone, or a re-admitted session would look "running".
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await self._cancel_running()
                 await self._register()
                 continue
-            if stop.is_set():
-                break  # read after the stop: leave them admitted; the withdraw hands them back
+            if stop.is_set() or not self.engine_up:
+                continue  # read after the stop or the circuit opened: leave them admitted
             fresh = [a for a in fresh if a.session.session_id not in self._running]
             if not fresh:
                 continue
-            ok = await self._redis(self.link.mark_running_many,
-                                   [a.session.session_id for a in fresh])
+            ok = await self._redis_until_ok(self.link.mark_running_many,
+                                            [a.session.session_id for a in fresh])
             for a, run in zip(fresh, ok):
                 if run:
                     self._start(runner, a)
@@ -176,11 +233,26 @@ class Worker:
         try:
             out = await runner.run(a.session, progress)
             await self._finished.put((out.result, out.stats))
-        except Exception:  # a bug, not an engine or tool failure: log it, keep the others going
+        except (EngineUnavailable, ToolUnavailable) as exc:  # not the session's fault
+            await self._hand_back(a.session, str(exc))
+        except Exception as exc:  # a bug of ours, not the session's: end it, with the reason
             log.exception("worker %s: session %s crashed", self.settings.backend_id,
                           a.session.session_id)
+            await self._finished.put((crashed_result(a.session, exc), CompletionStats()))
         finally:
             self._running.pop(a.session.session_id, None)
+
+    async def _hand_back(self, session: Session, why: str) -> None:
+        try:
+            requeued, failed = await self._redis_until_ok(self.link.hand_back, [session], why)
+        except Exception:
+            log.exception("worker %s: handing %s back failed", self.settings.backend_id,
+                          session.session_id)
+            return
+        self.counters.handed_back += requeued
+        self.counters.failed += failed
+        log.info("worker %s: session %s handed back (%s)", self.settings.backend_id,
+                 session.session_id, why if requeued else f"{why}; out of attempts, failed")
 
     async def _finish_loop(self) -> None:
         while True:
@@ -188,7 +260,7 @@ class Worker:
             while not self._finished.empty() and len(batch) < 200:
                 batch.append(self._finished.get_nowait())
             try:
-                replies = await self._redis(self.link.finish_many, batch)
+                replies = await self._publish(batch)
                 for (result, _), reply in zip(batch, replies):
                     if reply == "ok":
                         self.counters.finished += 1
@@ -203,12 +275,27 @@ class Worker:
                 for _ in batch:
                     self._finished.task_done()
 
-    # -- heartbeats -----------------------------------------------------------------------------
+    async def _publish(self, batch: list[tuple[SessionResult, CompletionStats]]) -> list[str]:
+        """`finish_many` until Redis takes it. A retry after a lost reply finds the sessions
+        already finished ('duplicate'): that retry's 'duplicate' means our own 'ok'."""
+        first_try = True
+        while True:
+            try:
+                replies = await self._redis(self.link.finish_many, batch)
+            except Exception as exc:
+                if not is_outage(exc):
+                    raise
+                first_try = False
+                await asyncio.sleep(self._outage.failed(exc))
+                continue
+            self._outage.ok()
+            return replies if first_try else ["ok" if r == "duplicate" else r for r in replies]
+
+    # -- heartbeats and the engine's health ------------------------------------------------------
     def _beat_thread(self, done: threading.Event) -> None:
-        """Beat every `heartbeat_s` with the latest /metrics scrape, from a thread of its own:
-        a busy event loop (hundreds of sessions starting at once) delays the numbers, never the
-        beat. Only an engine whose /metrics has not answered for `engine_down_after_s` stops
-        the beats, and with them admissions here."""
+        """Beat every `heartbeat_s` from a thread of its own: a busy event loop (hundreds of
+        sessions starting at once) delays nothing here. Beats stop only while the engine is
+        down or the worker is not registered."""
         s = self.settings
         while True:
             self._beat_once()
@@ -217,37 +304,84 @@ class Worker:
 
     def _beat_once(self) -> None:
         s = self.settings
-        age = time.monotonic() - self._scraped_at
-        healthy = self._scrape_ok is not None and age <= s.engine_down_after_s
-        if healthy != self.engine_healthy:
-            if healthy:
-                log.warning("worker %s: engine answers again", s.backend_id)
-            else:
-                log.error("worker %s: engine /metrics has not answered for %.1fs (%s); "
-                          "heartbeats stop until it does", s.backend_id, age, self._scrape_error)
-        self.engine_healthy = healthy
-        if not healthy:
+        if not (self.engine_up and self._registered.is_set()) or self._scrape is None:
             return
         progress = [p.snapshot() for _, p in list(self._running.values())]
         try:
-            self.link.heartbeat(self._scrape_ok.metrics, progress)
-        except RuntimeError:  # not registered: the pull loop's next reclaim registers
-            log.warning("worker %s: heartbeat refused: not registered", s.backend_id)
-        except Exception:
-            log.exception("worker %s: heartbeat failed", s.backend_id)
+            self.link.heartbeat(self._scrape.metrics, progress, at=self._scraped_at)
+        except Exception as exc:
+            if is_outage(exc):
+                self._outage.failed(exc)
+            elif isinstance(exc, NotRegistered):  # the pull loop's next reclaim registers
+                log.warning("worker %s: heartbeat refused: not registered", s.backend_id)
+            else:
+                log.exception("worker %s: heartbeat failed", s.backend_id)
+            return
+        self._outage.ok()
+
+    async def _watch_engine(self, http: httpx.AsyncClient, stop: asyncio.Event) -> None:
+        """The circuit breaker: GET /health every beat; open on a refused connection or
+        `engine_down_after_s` without an answer, close when it answers again."""
+        s = self.settings
+        while not stop.is_set():
+            started = time.monotonic()
+            why = await self._probe_health(http)
+            now = time.monotonic()
+            if why is None:
+                self._health_ok_at = now
+                if not self.engine_up:
+                    await self._engine_back()
+            elif self.engine_up and (why.startswith("refused")
+                                     or now - self._health_ok_at >= s.engine_down_after_s):
+                await self._engine_down(why)
+            await asyncio.sleep(max(0.0, s.heartbeat_s - (time.monotonic() - started)))
+
+    async def _probe_health(self, http: httpx.AsyncClient) -> str | None:
+        """None when /health answers 200, else why not ('refused: ...' when nothing listens)."""
+        try:
+            r = await http.get(f"{self.engine_url}/health", timeout=self.settings.health_timeout_s)
+        except httpx.ConnectError as exc:
+            return f"refused: {describe_error(exc)}"
+        except httpx.HTTPError as exc:
+            return describe_error(exc)
+        return None if r.status_code == 200 else f"HTTP {r.status_code}"
+
+    async def _engine_down(self, why: str) -> None:
+        s = self.settings
+        self.engine_up = False
+        self.counters.engine_down += 1
+        silent = time.monotonic() - self._health_ok_at
+        log.error("worker %s: engine down (%s; /health last answered %.1fs ago): handing "
+                  "everything admitted here back until it answers", s.backend_id, why, silent)
+        cancelled = await self._cancel_running()
+        self.counters.handed_back += cancelled
+        await self._withdraw(deadline_s=s.engine_down_after_s)
+
+    async def _engine_back(self) -> None:
+        log.warning("worker %s: engine answers again; registering", self.settings.backend_id)
+        self.engine_up = True
+        await self._register()
 
     async def _scrape_once(self, http: httpx.AsyncClient) -> None:
         try:
             r = await http.get(f"{self.engine_url}/metrics",
                                timeout=self.settings.engine_down_after_s)
             r.raise_for_status()
-            self._scrape_ok = parse_metrics(r.text)
-            self._scraped_at = time.monotonic()
+            self._scrape = parse_metrics(r.text)
+            self._scraped_at = time.time()
         except (httpx.HTTPError, ValueError) as exc:
-            self._scrape_error = f"{type(exc).__name__}: {exc}"
+            log.debug("worker %s: /metrics: %s", self.settings.backend_id, describe_error(exc))
 
     async def _scrape_loop(self, http: httpx.AsyncClient) -> None:
         while True:
             started = time.monotonic()
             await self._scrape_once(http)
             await asyncio.sleep(max(0.0, self.settings.heartbeat_s - (time.monotonic() - started)))
+
+
+def crashed_result(session: Session, exc: BaseException) -> SessionResult:
+    """The result of a session the worker itself failed on (a bug): failed, with the reason."""
+    return SessionResult(session_id=session.session_id, workload=session.workload,
+                         group_id=session.group_id, status=SessionState.failed,
+                         error=f"worker: {describe_error(exc)}",
+                         policy_version=session.policy_version)

@@ -4,10 +4,16 @@ Routes (as vLLM serves them): POST /v1/completions, /v1/chat/completions, /token
 /v1/completions/render, /v1/chat/completions/render; GET /v1/models, /health, /ping, /version,
 /metrics, /server_info. Nothing is created at import time; `create_app` builds the engine core and
 the driver task starts with the app's lifespan.
+
+With `fault_injection` (`rollout-broker sim-engine --fault-injection`, for fault drills such as
+benchmarks/chaos.py; off by default) one more route, `POST /sim/faults {"metrics_delay_s": S}`,
+makes every /metrics answer S seconds late while generation goes on, as an overloaded API
+server's would.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -52,6 +58,7 @@ class EngineSettings:
     kv_tokens: int | None = None
     seed: int = 0
     model_name: str | None = None
+    fault_injection: bool = False
 
 
 @dataclass
@@ -64,6 +71,7 @@ class ServerState:
     core: EngineCore
     driver: EngineDriver
     registry: CollectorRegistry
+    metrics_delay_s: float = 0.0  # an injected fault (see the module docstring)
 
     @property
     def max_model_len(self) -> int:
@@ -109,7 +117,20 @@ def create_app(settings: EngineSettings) -> FastAPI:
     _add_generation_routes(app)
     _add_token_routes(app)
     _add_info_routes(app)
+    if settings.fault_injection:
+        _add_fault_routes(app)
     return app
+
+
+def _add_fault_routes(app: FastAPI) -> None:
+    @app.post("/sim/faults")
+    async def faults(body: dict[str, float], s: StateDep) -> dict[str, float]:
+        unknown = set(body) - {"metrics_delay_s"}
+        if unknown:
+            raise ApiError(f"unknown fault(s): {', '.join(sorted(unknown))}",
+                           param=sorted(unknown)[0])
+        s.metrics_delay_s = max(0.0, float(body.get("metrics_delay_s", s.metrics_delay_s)))
+        return {"metrics_delay_s": s.metrics_delay_s}
 
 
 def _add_generation_routes(app: FastAPI) -> None:
@@ -186,7 +207,7 @@ def _add_info_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def models(s: StateDep) -> ModelList:
         card = ModelCard(id=s.model_name, root=s.model_name, max_model_len=s.max_model_len,
-                         permission=[ModelPermission()])
+                         permission=[ModelPermission()], vocab_size=s.profile.vocab_size)
         return ModelList(data=[card])
 
     @app.get("/health")
@@ -203,6 +224,8 @@ def _add_info_routes(app: FastAPI) -> None:
 
     @app.get("/metrics")
     async def metrics(s: StateDep) -> Response:
+        if s.metrics_delay_s > 0:
+            await asyncio.sleep(s.metrics_delay_s)
         return Response(generate_latest(s.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/server_info")
@@ -217,8 +240,8 @@ def _add_info_routes(app: FastAPI) -> None:
 
 def serve(host: str = "127.0.0.1", port: int = 8000, profile: str = "h200-30b-a3b",
           time_scale: float = 1.0, kv_tokens: int | None = None, seed: int = 0,
-          model_name: str | None = None) -> None:
+          model_name: str | None = None, fault_injection: bool = False) -> None:
     """Run the server in the foreground until interrupted (`rollout-broker sim-engine`)."""
     settings = EngineSettings(profile=profile, time_scale=time_scale, kv_tokens=kv_tokens,
-                              seed=seed, model_name=model_name)
+                              seed=seed, model_name=model_name, fault_injection=fault_injection)
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")

@@ -251,6 +251,9 @@ class ModelCard(OpenAIBaseModel):
     parent: str | None = None
     max_model_len: int | None = None
     permission: list[ModelPermission] = Field(default_factory=list)
+    # Simulator only (vLLM's card has no such field): token ids must be below it. A worker
+    # registers it so the broker can refuse out-of-vocabulary prompts at enqueue.
+    vocab_size: int | None = None
 
 
 class ModelList(OpenAIBaseModel):

@@ -41,10 +41,10 @@ class RunningEngine:
 @contextmanager
 def running_engine(profile: str = "h100-8b", time_scale: float = 50.0,
                    kv_tokens: int | None = None, seed: int = 0, model_name: str | None = None,
-                   host: str = "127.0.0.1", startup_timeout_s: float = 10.0
-                   ) -> Iterator[RunningEngine]:
+                   host: str = "127.0.0.1", startup_timeout_s: float = 10.0,
+                   fault_injection: bool = False) -> Iterator[RunningEngine]:
     settings = EngineSettings(profile=profile, time_scale=time_scale, kv_tokens=kv_tokens,
-                              seed=seed, model_name=model_name)
+                              seed=seed, model_name=model_name, fault_injection=fault_injection)
     app = create_app(settings)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

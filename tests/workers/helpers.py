@@ -111,6 +111,7 @@ def mixed_sessions(n_groups: int, prefix: str = "") -> list[Session]:
                                prompt_token_ids=prompt(1000 + g, 120), max_tokens=32))
         out.append(Session(session_id=f"{prefix}agentic-{g}", workload="agentic",
                            prompt_token_ids=prompt(5000 + g, 300), max_tokens=24, max_turns=3,
-                           metadata={"sim_turns": 3, "sim_tool_latency_s": "1,1",
+                           metadata={"tool": "sim", "reward": "parity", "sim_turns": 3,
+                                     "sim_tool_latency_s": "1,1",
                                      "sim_observation_tokens": "40,40"}))
     return out

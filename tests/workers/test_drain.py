@@ -25,7 +25,7 @@ def test_sigterm_finishes_what_it_can_and_hands_back_the_rest(redis_url, namespa
     # 5 s drain grace. The second worker runs at ×100,000, so the same tool takes 10 ms there.
     long = [Session(session_id=f"long-{i}", workload="agentic", prompt_token_ids=prompt(100 + i, 64),
                     max_tokens=8, max_turns=2,
-                    metadata={"sim_turns": 2, "sim_tool_latency_s": "1000",
+                    metadata={"tool": "sim", "sim_turns": 2, "sim_tool_latency_s": "1000",
                               "sim_observation_tokens": "8"}) for i in range(6)]
     procs = {"w0": start_worker(redis_url, namespace, "w0")}
     broker = BrokerThread(redis_url, namespace, make_policy("least_loaded"), lease_s=1.0).start()

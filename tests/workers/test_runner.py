@@ -10,8 +10,9 @@ import pytest
 from broker.session import Session, SessionState
 from sim.server.testing import running_engine
 from workers.engine import read_engine_info
-from workers.runner import RunnerSettings, SessionRunner
-from workers.tools import InlineExecutor
+from tests.workers.tools_for_tests import TOOLS_TOML
+from workers.runner import EngineUnavailable, RunnerSettings, SessionRunner
+from workers.tools import InlineExecutor, load_registry
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,19 +23,23 @@ def engine():
         yield e
 
 
+REGISTRY = load_registry(TOOLS_TOML)
+
+
 def agentic(sid: str, turns: int = 4, **meta) -> Session:
     return Session(session_id=sid, workload="agentic", prompt_token_ids=list(range(1, 400)),
                    max_tokens=32, max_turns=turns,
-                   metadata={"sim_turns": turns, "sim_tool_latency_s": ",".join(["0.5"] * turns),
-                             **meta})
+                   metadata={"tool": "sim", "reward": "parity", "sim_turns": turns,
+                             "sim_tool_latency_s": ",".join(["0.5"] * turns), **meta})
 
 
 async def run(engine_url: str, session: Session, tools=None, **settings):
     info = read_engine_info(engine_url)
-    tools = tools or InlineExecutor(timeout_s=5.0)
+    tools = tools or InlineExecutor(timeout_s=5.0, registry=REGISTRY)
     async with httpx.AsyncClient() as http:
         runner = SessionRunner(http, engine_url, info.model, info.max_model_len, tools,
-                               RunnerSettings(time_scale=200.0, **settings))
+                               RunnerSettings(time_scale=200.0, **settings),
+                               vocab_size=info.vocab_size)
         try:
             return await runner.run(session)
         finally:
@@ -66,27 +71,65 @@ def test_sim_output_lengths_from_metadata(engine):
 
 
 def test_a_tool_that_raises_fails_the_session_with_its_reason(engine):
-    s = agentic("a3", tool="tests.workers.tools_for_tests:boom")
+    s = agentic("a3", tool="boom")
     r = asyncio.run(run(engine.url, s)).result
     assert r.status == SessionState.failed
     assert "tool exploded on turn 0" in r.error and r.turns == 1
 
 
 def test_a_tool_that_times_out_fails_the_session(engine):
-    s = agentic("a4", tool="tests.workers.tools_for_tests:slow")
-    r = asyncio.run(run(engine.url, s, tools=InlineExecutor(timeout_s=0.3))).result
+    s = agentic("a4", tool="slow")
+    r = asyncio.run(run(engine.url, s, tools=InlineExecutor(timeout_s=0.3,
+                                                            registry=REGISTRY))).result
     assert r.status == SessionState.failed and "timed out after 0.3s" in r.error
 
 
 def test_a_scorer_that_raises_fails_the_session(engine):
     s = Session(session_id="r1", workload="rlvr", prompt_token_ids=[1, 2, 3], max_tokens=8,
-                metadata={"reward": "tests.workers.tools_for_tests:bad_scorer"})
+                metadata={"reward": "bad"})
     r = asyncio.run(run(engine.url, s)).result
     assert r.status == SessionState.failed and "divided by zero" in r.error
     assert r.turns == 1 and r.output_tokens > 0
 
 
-def test_engine_5xx_is_retried_then_fails_with_the_reason():
+@pytest.mark.parametrize("meta", [{"tool": "sys.exit"}, {"reward": "builtins.len"},
+                                  {"tool": "unknown-tool"}])
+def test_a_name_the_operator_did_not_register_fails_only_that_session(engine, meta):
+    s = agentic("a5", turns=2, **meta)
+    r = asyncio.run(run(engine.url, s)).result
+    assert r.status == SessionState.failed
+    key = "tool" if "tool" in meta else "reward"
+    assert f"{key}: {meta[key]!r} is not registered on this worker" in r.error
+
+
+@pytest.mark.parametrize("meta", [{"tool": "exits"}, {"reward": "exits"}])
+def test_system_exit_in_a_tool_or_scorer_fails_the_session_and_nothing_else(engine, meta):
+    s = agentic("a6", turns=2, **meta)
+    r = asyncio.run(run(engine.url, s)).result  # would raise SystemExit out of asyncio.run
+    assert r.status == SessionState.failed and "raised SystemExit: 3" in r.error
+
+
+def test_no_reward_named_means_no_reward(engine):
+    s = Session(session_id="r2", workload="rlvr", prompt_token_ids=[1, 2, 3], max_tokens=8)
+    r = asyncio.run(run(engine.url, s)).result
+    assert r.status == SessionState.done and r.reward is None
+
+
+def test_metadata_that_breaks_the_run_fails_the_session_with_the_reason(engine):
+    s = agentic("a7", turns=2, sim_output_tokens="abc")
+    r = asyncio.run(run(engine.url, s)).result  # a ValueError deep inside the turn
+    assert r.status == SessionState.failed
+    assert r.error.startswith("session: ValueError") and "abc" in r.error
+
+
+def test_a_token_id_outside_the_vocabulary_fails_before_the_engine_is_asked(engine):
+    s = Session(session_id="v1", workload="rlvr", prompt_token_ids=[1, 10**7], max_tokens=8)
+    r = asyncio.run(run(engine.url, s)).result
+    assert r.status == SessionState.failed and r.turns == 0
+    assert "token id 10000000 is not below the engine's vocabulary size" in r.error
+
+
+def test_engine_5xx_is_retried_then_handed_back_with_the_reason():
     calls = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -100,9 +143,25 @@ def test_engine_5xx_is_retried_then_fails_with_the_reason():
             s = Session(session_id="x", workload="rlhf", prompt_token_ids=[1], max_tokens=4)
             return await runner.run(s)
 
-    r = asyncio.run(go()).result
-    assert r.status == SessionState.failed
-    assert "HTTP 503" in r.error and "after 3 attempts" in r.error and len(calls) == 3
+    with pytest.raises(EngineUnavailable) as err:  # the engine's fault: run it again elsewhere
+        asyncio.run(go())
+    assert "HTTP 503" in str(err.value) and "after 3 attempts" in str(err.value)
+    assert len(calls) == 3
+
+
+def test_a_refused_connection_is_the_engines_fault_not_the_sessions():
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            runner = SessionRunner(http, "http://engine", "m", 1000, InlineExecutor(),
+                                   RunnerSettings(retries=1, backoff_s=0.01))
+            s = Session(session_id="x", workload="rlhf", prompt_token_ids=[1], max_tokens=4)
+            return await runner.run(s)
+
+    with pytest.raises(EngineUnavailable, match="connection refused"):
+        asyncio.run(go())
 
 
 def test_engine_4xx_fails_at_once():
@@ -122,3 +181,4 @@ def test_engine_info_reads_capacity_and_context(engine):
     info = read_engine_info(engine.url)
     assert info.capacity_tokens == 200_000 // 16 * 16
     assert info.max_model_len > 0 and info.model == engine.model_name
+    assert info.vocab_size == 128_256  # the h100-8b profile's (Llama 3), from the model card

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.workers.tools_for_tests import TOOLS_TOML
 from workers.tools import RewardCall, RqExecutor, ToolCall, ToolError
 
 pytestmark = pytest.mark.timeout(90)
@@ -26,8 +27,8 @@ def call(tool: str, turn: int = 0) -> ToolCall:
 def test_tools_and_rewards_through_rq(redis_url):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     worker = subprocess.Popen([sys.executable, "-m", "broker.cli", "tools", "--redis-url",
-                               redis_url], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+                               redis_url, "--tool-config", str(TOOLS_TOML)], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     async def go():
         ex = RqExecutor(redis_url, timeout_s=2.0, retries=1, poll_s=0.05)
@@ -36,9 +37,12 @@ def test_tools_and_rewards_through_rq(redis_url):
             reward = await ex.score(RewardCall(session_id="s1", workload="rlvr", scorer="parity",
                                                output_token_ids=[[2, 4, 5, 7]]))
             with pytest.raises(ToolError, match="tool exploded") as boom:
-                await ex.call_tool(call("tests.workers.tools_for_tests:boom"))
+                await ex.call_tool(call("boom"))
             with pytest.raises(ToolError, match="[Tt]imeout") as slow:
-                await ex.call_tool(call("tests.workers.tools_for_tests:slow"))
+                await ex.call_tool(call("slow"))
+            with pytest.raises(ToolError, match="'builtins.len' is not registered"):
+                await ex.score(RewardCall(session_id="s2", workload="rlvr",
+                                          scorer="builtins.len", output_token_ids=[[1]]))
             return ok, reward, str(boom.value), str(slow.value)
         finally:
             await ex.aclose()

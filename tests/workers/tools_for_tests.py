@@ -1,8 +1,12 @@
-"""Tools and scorers that misbehave on purpose (named by sessions as module:function)."""
+"""Tools and scorers that misbehave on purpose, registered by key in tests/workers/tools.toml."""
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
+
+TOOLS_TOML = Path(__file__).with_name("tools.toml")
 
 
 def boom(call: dict) -> dict:
@@ -16,3 +20,7 @@ def slow(call: dict) -> dict:
 
 def bad_scorer(call: dict) -> float:
     raise ZeroDivisionError("scorer divided by zero")
+
+
+def exits(call: dict) -> dict:
+    sys.exit(3)
