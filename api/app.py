@@ -2,6 +2,7 @@
 
 Nothing connects at import or at creation: the lifespan makes the async Redis client (which
 connects on first command) and the trainer client is made on the first mutating request.
+A request body over `max_body_bytes` is refused by `api.limits.BodyLimit` before it is parsed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi.staticfiles import StaticFiles
 
 from api import errors
 from api.history import CounterHistory
+from api.limits import BodyLimit
 from api.routers import dashboard, health, metrics, mixture, sessions, status
 from api.settings import ApiSettings, check_bind, get_settings
 from api.status import StatusReader
@@ -44,7 +46,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.state.history = CounterHistory(keep_s=max((settings.mixture_window_s,
                                                    *settings.throughput_windows_s)) + 5.0)
     app.state.rollout_client = None
+    app.state.redis_outage = errors.RedisOutage()
     errors.install(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     for r in (status.router, sessions.router, mixture.router, metrics.router, health.router,
               dashboard.router):
         app.include_router(r)

@@ -1,6 +1,13 @@
-"""One error shape for every failure: `{"field": ..., "reason": ...}` (api.models.ErrorPublic)."""
+"""One error shape for every failure: `{"field": ..., "reason": ...}` (api.models.ErrorPublic).
+
+Redis failing is a 503 that names only the error class; `RedisOutage` logs the detail (which
+carries Redis's address) once per outage on the `rollout_broker.api` logger.
+"""
 
 from __future__ import annotations
+
+import logging
+import threading
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -10,6 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 # Where FastAPI found a bad input; the field name already says it.
 _LOCATIONS = {"body", "path", "query", "header", "cookie"}
+
+log = logging.getLogger("rollout_broker.api")
 
 
 class ApiError(Exception):
@@ -55,6 +64,34 @@ def _body(field: str | None, reason: str) -> dict:
     return {"field": field, "reason": reason}
 
 
+def redis_reason(exc: BaseException) -> str:
+    """What an answer says of a Redis failure: the error class, never the address it names."""
+    return f"redis: unavailable ({type(exc).__name__})"
+
+
+class RedisOutage:
+    """Redis as the API's requests find it: the first failure of an outage is logged in full,
+    the next ones are not, until a request finds Redis answering again."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._down = False
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            first, self._down = not self._down, True
+        if first:
+            log.warning("redis: unavailable: %s: %s", type(exc).__name__, exc)
+
+    def answered(self) -> None:
+        if not self._down:
+            return
+        with self._lock:
+            was, self._down = self._down, False
+        if was:
+            log.info("redis: available again")
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -77,9 +114,10 @@ def install(app: FastAPI) -> None:
         return JSONResponse(_body(field, reason), status_code=422)
 
     @app.exception_handler(RedisError)
-    async def _redis_down(_: Request, exc: RedisError) -> JSONResponse:
+    async def _redis_down(request: Request, exc: RedisError) -> JSONResponse:
         # Redis unreachable or failing: the service is unavailable, not broken.
-        return JSONResponse(_body(None, f"redis: {type(exc).__name__}: {exc}"), status_code=503)
+        request.app.state.redis_outage.failed(exc)
+        return JSONResponse(_body(None, redis_reason(exc)), status_code=503)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

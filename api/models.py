@@ -56,7 +56,9 @@ class CancelPublic(BaseModel):
 class MixtureIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    shares: dict[str, float]  # workload -> target share π_w of consumed sessions; sums to 1
+    # workload -> target share π_w of consumed sessions; sums to 1. A JSON number, finite:
+    # neither a string nor a boolean is read as one.
+    shares: dict[str, Annotated[float, Field(strict=True, allow_inf_nan=False)]]
 
 
 class MixturePublic(BaseModel):

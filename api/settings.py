@@ -1,11 +1,12 @@
-"""API settings from the environment (`RB_API_*`), read once per process by `get_settings()`."""
+"""API settings from the environment (`RB_API_*`), read once per process by `get_settings()`;
+`make_settings()` builds them with a one-line error for a command line to print."""
 
 from __future__ import annotations
 
 import ipaddress
 from functools import lru_cache
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -21,11 +22,33 @@ class ApiSettings(BaseSettings):
     # The "last window" of consumed mixture and the throughput windows, in seconds.
     mixture_window_s: float = Field(default=60.0, gt=0)
     throughput_windows_s: tuple[float, ...] = (60.0, 300.0)
+    # A request body longer than this is refused with a 413 before it is parsed.
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+
+    @field_validator("token")
+    @classmethod
+    def _token_not_blank(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().strip():
+            raise ValueError("token: must not be blank")
+        return v
 
 
 @lru_cache
 def get_settings() -> ApiSettings:
     return ApiSettings()
+
+
+def make_settings(**values: object) -> ApiSettings:
+    """`ApiSettings(**values)`, its first error as a one-line ValueError "field: reason"."""
+    try:
+        return ApiSettings(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        reason = str(err["msg"]).removeprefix("Value error, ")
+        field = ".".join(str(p) for p in err["loc"])
+        if not field or reason.startswith(f"{field}: "):
+            raise ValueError(reason) from None
+        raise ValueError(f"{field}: {reason}") from None
 
 
 def is_loopback(host: str) -> bool:
@@ -39,7 +62,8 @@ def is_loopback(host: str) -> bool:
 
 def check_bind(settings: ApiSettings) -> None:
     """Refuse to serve the mutating endpoints unauthenticated beyond this machine."""
-    if settings.token is None and not is_loopback(settings.host):
+    blank = settings.token is None or not settings.token.get_secret_value().strip()
+    if blank and not is_loopback(settings.host):
         raise ValueError(
             f"host: refusing to bind {settings.host!r} without a token; anyone who can reach it "
             "could enqueue, cancel and change the mixture. Set --token (or RB_API_TOKEN), "

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
-from api.deps import KeysDep, RedisDep
+from api.deps import KeysDep
+from api.errors import redis_reason
 from api.models import HealthPublic, ReadyPublic
 
 router = APIRouter(tags=["health"])
@@ -18,14 +19,16 @@ async def healthz() -> HealthPublic:
 
 
 @router.get("/readyz", response_model=ReadyPublic, responses={503: {"model": ReadyPublic}})
-async def readyz(redis: RedisDep, keys: KeysDep) -> ReadyPublic | JSONResponse:
+async def readyz(request: Request, keys: KeysDep) -> ReadyPublic | JSONResponse:
+    state = request.app.state
     try:
-        await redis.ping()
-        lease = bool(await redis.exists(keys.lease))
+        await state.redis.ping()
+        lease = bool(await state.redis.exists(keys.lease))
     except (RedisError, OSError) as exc:
-        body = ReadyPublic(ready=False, redis=False, broker_lease=False,
-                           reason=f"redis: {type(exc).__name__}: {exc}")
+        state.redis_outage.failed(exc)
+        body = ReadyPublic(ready=False, redis=False, broker_lease=False, reason=redis_reason(exc))
         return JSONResponse(body.model_dump(), status_code=503)
+    state.redis_outage.answered()
     if not lease:
         body = ReadyPublic(ready=False, redis=True, broker_lease=False,
                            reason="broker: no broker holds this namespace's lease")

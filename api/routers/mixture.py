@@ -6,6 +6,7 @@ from fastapi import APIRouter
 
 from api.deps import AuthDep, ClientDep, KeysDep, RedisDep
 from api.errors import from_value_error
+from api.limits import TOO_LARGE
 from api.models import ErrorPublic, MixtureIn, MixturePublic
 
 router = APIRouter(prefix="/v1/mixture", tags=["mixture"])
@@ -19,7 +20,7 @@ async def get_mixture(redis: RedisDep, keys: KeysDep) -> MixturePublic:
 
 @router.put("", response_model=MixturePublic, dependencies=[AuthDep],
             responses={400: {"model": ErrorPublic}, 401: {"model": ErrorPublic},
-                       422: {"model": ErrorPublic}})
+                       422: {"model": ErrorPublic}, **TOO_LARGE})
 def put_mixture(body: MixtureIn, client: ClientDep) -> MixturePublic:
     """Set the target share of consumed sessions per known workload; shares sum to 1."""
     try:

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from api.deps import AuthDep, ClientDep, KeysDep, RedisDep
 from api.errors import ApiError, from_value_error
+from api.limits import TOO_LARGE
 from api.models import CancelPublic, EnqueuePublic, ErrorPublic, SessionBatchIn, SessionPublic
 from broker.session import Session, SessionState
 
@@ -20,7 +21,8 @@ SessionId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$",
 _ERRORS = {400: {"model": ErrorPublic}, 401: {"model": ErrorPublic}, 422: {"model": ErrorPublic}}
 
 
-@router.post("", response_model=EnqueuePublic, responses=_ERRORS, dependencies=[AuthDep])
+@router.post("", response_model=EnqueuePublic, responses={**_ERRORS, **TOO_LARGE},
+             dependencies=[AuthDep])
 def enqueue(body: SessionBatchIn, client: ClientDep) -> EnqueuePublic:
     """Enqueue a batch: all or nothing on a bad item; ids seen before are left as they are."""
     try:

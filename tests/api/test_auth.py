@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import SecretStr, ValidationError
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.settings import ApiSettings, check_bind, is_loopback
+from api.settings import ApiSettings, check_bind, is_loopback, make_settings
 from broker.cli import app as cli
 from tests.api.helpers import session_json
 
@@ -66,8 +67,47 @@ def test_non_loopback_bind_needs_a_token():
     check_bind(ApiSettings(host="127.0.0.1"))
 
 
+@pytest.mark.parametrize("token", ["", " ", "   ", "\t\n "])
+def test_a_blank_token_is_refused(monkeypatch, token):
+    with pytest.raises(ValidationError) as info:
+        ApiSettings(token=token)
+    (err,) = info.value.errors()
+    assert err["loc"] == ("token",) and str(err["ctx"]["error"]) == "token: must not be blank"
+    monkeypatch.setenv("RB_API_TOKEN", token)
+    with pytest.raises(ValidationError, match="token: must not be blank"):
+        ApiSettings()
+    with pytest.raises(ValueError, match=r"^token: must not be blank$"):
+        make_settings(host="0.0.0.0")
+
+
+def test_a_token_with_surrounding_spaces_is_kept_as_given():
+    assert ApiSettings(token=" t0k ").token.get_secret_value() == " t0k "
+
+
+def test_make_settings_names_the_field_in_one_line():
+    assert make_settings(host="0.0.0.0", token="t").token.get_secret_value() == "t"
+    with pytest.raises(ValueError, match=r"^port: .*65535$"):
+        make_settings(port=70000)
+
+
+def test_a_blank_token_does_not_open_a_public_bind():
+    with pytest.raises(ValueError, match="token: must not be blank"):
+        check_bind(ApiSettings(host="0.0.0.0", token="   "))
+    unchecked = ApiSettings.model_construct(host="0.0.0.0", token=SecretStr("  "))
+    with pytest.raises(ValueError, match="refusing to bind '0.0.0.0' without a token"):
+        check_bind(unchecked)
+
+
 def test_cli_refuses_public_bind_without_token(monkeypatch):
     monkeypatch.delenv("RB_API_TOKEN", raising=False)
     result = CliRunner().invoke(cli, ["api", "--host", "0.0.0.0", "--port", "1"])
     assert result.exit_code == 2
     assert "refusing to bind '0.0.0.0' without a token" in result.output
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "127.0.0.1"])
+def test_cli_refuses_a_blank_token(monkeypatch, host):
+    monkeypatch.delenv("RB_API_TOKEN", raising=False)
+    result = CliRunner().invoke(cli, ["api", "--host", host, "--port", "1", "--token", "   "])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == ["rollout-broker api: token: must not be blank"]

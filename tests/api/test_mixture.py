@@ -26,3 +26,28 @@ def test_bad_mixtures_say_which_share(api, shares, field, reason):
     assert r.status_code == 422
     assert r.json()["field"] == field and reason in r.json()["reason"]
     assert api.get("/v1/mixture").json() == {"shares": {}}
+
+
+@pytest.mark.parametrize("shares, field", [
+    ({"rlvr": "1"}, "shares.rlvr"),
+    ({"rlvr": True}, "shares.rlvr"),
+    ({"rlvr": 0.5, "rlhf": "0.5"}, "shares.rlhf"),
+    ({"rlvr": 0.5, "rlhf": False, "agentic": 0.5}, "shares.rlhf"),
+])
+def test_a_share_must_be_a_json_number(api, shares, field):
+    r = api.put("/v1/mixture", json={"shares": shares})
+    assert r.status_code == 422
+    assert r.json()["field"] == field and "number" in r.json()["reason"]
+    assert api.get("/v1/mixture").json() == {"shares": {}}
+
+
+@pytest.mark.parametrize("raw", [b'{"shares": {"rlvr": NaN}}', b'{"shares": {"rlvr": Infinity}}'])
+def test_a_share_must_be_finite(api, raw):
+    r = api.put("/v1/mixture", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["field"] == "shares.rlvr"
+    assert api.get("/v1/mixture").json() == {"shares": {}}
+
+
+def test_integer_shares_are_numbers(api):
+    r = api.put("/v1/mixture", json={"shares": {"rlvr": 1, "rlhf": 0}})
+    assert r.status_code == 200 and r.json() == {"shares": {"rlvr": 1.0, "rlhf": 0.0}}
