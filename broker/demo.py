@@ -151,17 +151,27 @@ class Trainer:
         self.stats = TrainerStats()
         self._batch: list[SessionResult] = []
         self._last_iteration = time.monotonic()
+        self._next: tuple[str, tuple] | None = None  # drawn, waiting for room in flight
 
     def top_up(self) -> None:
+        """Enqueue whole groups while they fit under the in-flight bound; a group drawn that
+        does not fit yet is kept and enqueued first next time (never dropped)."""
         bound = self.scenario.trainer.inflight_bound
         while True:
-            total = sum(self.stats.enqueued.values()) or 1
-            w = min(self.mixture, key=lambda w: self.stats.enqueued[w] / total - self.mixture[w])
-            group = self.source.next_group(w)
-            if group is None or self.stats.in_flight + len(group) > bound:
+            if self._next is None:
+                total = sum(self.stats.enqueued.values()) or 1
+                w = min(self.mixture,
+                        key=lambda w: self.stats.enqueued[w] / total - self.mixture[w])
+                group = self.source.next_group(w)
+                if group is None:
+                    return
+                self._next = (w, group)
+            w, group = self._next
+            if self.stats.in_flight + len(group) > bound:
                 return
             now = time.monotonic()
             self.client.enqueue([with_truth(s) for s in group])
+            self._next = None
             for s in group:
                 self.stats.enqueued_at[s.session_id] = now
             self.stats.enqueued[w] += len(group)
