@@ -182,6 +182,7 @@ class RolloutClient:
             self._buffer.setdefault(r.workload, deque()).append((eid, r))
             n += 1
         return n
+
     def _buffered(self) -> int:
         return sum(len(q) for q in self._buffer.values())
 

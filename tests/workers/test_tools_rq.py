@@ -55,3 +55,44 @@ def test_tools_and_rewards_through_rq(redis_url):
     assert len(ok.observation_token_ids) == 9 and ok.done is False
     assert reward == 0.5
     assert "rq job" in boom and "rq job" in slow
+
+
+@pytest.mark.redis
+def test_a_tool_worker_rides_out_a_redis_restart(tmp_path):
+    from broker.redis_server import free_port, start_private_redis
+
+    port = free_port()
+    redis_handle = start_private_redis(port=port, workdir=str(tmp_path))
+    servers = [redis_handle]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    worker = subprocess.Popen([sys.executable, "-m", "broker.cli", "tools", "--redis-url",
+                               redis_handle.url], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def one_call(ex: RqExecutor) -> int:
+        out = await ex.call_tool(call("sim", turn=1))
+        return len(out.observation_token_ids)
+
+    async def go() -> tuple[int, int]:
+        ex = RqExecutor(redis_handle.url, timeout_s=10.0, retries=0, poll_s=0.05)
+        try:
+            before = await one_call(ex)
+            redis_handle.process.kill()  # Redis dies and comes back empty, on its address
+            redis_handle.process.wait()
+            await asyncio.sleep(2.0)
+            assert worker.poll() is None  # the tool worker waits; it does not exit
+            servers.append(start_private_redis(port=port, workdir=str(tmp_path)))
+            after = await one_call(ex)  # taken by the same tool worker process
+            return before, after
+        finally:
+            await ex.aclose()
+
+    try:
+        before, after = asyncio.run(go())
+        assert worker.poll() is None
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+        for server in servers:
+            server.close()
+    assert before == after == 9
