@@ -27,8 +27,9 @@ stream or as delivered to the trainer); lost (no result at the end); failed beca
 infrastructure (a failed result for a session whose own tool and reward are good); failed as
 expected (poison sessions); dead-lettered entries; wasted finishes (results a worker finished
 but could not publish: `stale_finishes`); processes that needed a manual restart (exited or
-stopped heartbeating on their own); seconds from the fault's end until the next result; the
-longest gap between results during the run.
+stopped heartbeating on their own); seconds from the fault's end until the next result, and
+until the next result from backend w0 (where the engine and worker faults hit); the longest
+gap between results during the run.
 
     python3 benchmarks/chaos.py [--faults kill-broker,redis-kill] [--load-s 50] [--json out.json]
 """
@@ -45,7 +46,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -267,6 +267,7 @@ class Row:
     wasted_finishes: int = 0
     manual_restarts: int = 0
     recovery_s: float | None = None  # fault end -> next result
+    w0_back_s: float | None = None  # fault end -> next result from backend w0 (where it hit)
     max_gap_s: float = 0.0
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -408,10 +409,13 @@ def measure(row: Row, fleet: Fleet, trainer: Trainer, sessions: list[Session], b
     entries = r.xrange(k.results)
     per_sid: dict[str, list[str]] = {}
     times: list[float] = []
+    w0_times: list[float] = []
     for eid, f in entries:
         sid = f.get(b"sid", b"").decode()
         per_sid.setdefault(sid, []).append(f.get(b"status", b"").decode())
         times.append(stream_ms(eid))
+        if b'"backend_id":"w0"' in f.get(b"result", b""):
+            w0_times.append(stream_ms(eid))
     known = {s.session_id for s in sessions}
     delivered: dict[str, int] = {}
     for sid, _, _ in trainer.delivered:
@@ -444,6 +448,8 @@ def measure(row: Row, fleet: Fleet, trainer: Trainer, sessions: list[Session], b
     times.sort()
     after = [t for t in times if fault_end is not None and t > fault_end]
     row.recovery_s = round(after[0] - fault_end, 2) if after else None
+    w0_after = sorted(t for t in w0_times if fault_end is not None and t > fault_end)
+    row.w0_back_s = round(w0_after[0] - fault_end, 2) if w0_after else None
     gaps = [b - a for a, b in zip(times, times[1:]) if a >= t0]
     row.max_gap_s = round(max(gaps, default=0.0), 2)
     r.close()
@@ -452,14 +458,16 @@ def measure(row: Row, fleet: Fleet, trainer: Trainer, sessions: list[Session], b
 def table(rows: list[Row]) -> str:
     head = ("| fault | enqueued | done once | duplicated | lost | failed (infra) | "
             "failed (own fault) | dead-lettered | wasted finishes | manual restarts | "
-            "results again after s | longest gap s | run s |")
-    out = [head, "|" + "---|" * 13]
+            "results again after s | w0's results again after s | longest gap s | run s |")
+    out = [head, "|" + "---|" * 14]
+
+    def sec(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
     for r in rows:
-        rec = "-" if r.recovery_s is None else f"{r.recovery_s:.2f}"
         out.append(f"| {r.fault} | {r.enqueued:,} | {r.done_once:,} | {r.duplicated} | {r.lost} | "
                    f"{r.failed_infra} | {r.failed_expected} | {r.dead_lettered} | "
-                   f"{r.wasted_finishes} | {r.manual_restarts} | {rec} | {r.max_gap_s:.2f} | "
-                   f"{r.wall_s:.0f} |")
+                   f"{r.wasted_finishes} | {r.manual_restarts} | {sec(r.recovery_s)} | "
+                   f"{sec(r.w0_back_s)} | {r.max_gap_s:.2f} | {r.wall_s:.0f} |")
     return "\n".join(out)
 
 

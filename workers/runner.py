@@ -36,6 +36,7 @@ from workers.tools import (
     per_turn_value,
 )
 
+
 class EngineError(RuntimeError):
     """The engine refused the session's request (a 4xx): the session's fault; says why."""
 
@@ -215,8 +216,10 @@ class SessionRunner:
             error = str(exc)
         except (EngineUnavailable, ToolUnavailable):
             raise
-        except Exception as exc:  # the session's data broke something (e.g. metadata that is
-            error = f"session: {describe_error(exc)}"  # not what it claims): its fault, not ours
+        except Exception as exc:
+            # The session's data broke the run (metadata that is not what it claims): the
+            # session's fault, so it ends failed with the reason instead of running forever.
+            error = f"session: {describe_error(exc)}"
         finally:
             progress.waiting_on_tool = False
         result = SessionResult(
