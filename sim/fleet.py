@@ -3,8 +3,10 @@ on one virtual clock (DESIGN §3 "one policy core, two drivers", §6).
 
 What the policy sees is what the live broker would see: pending placements, the ledger
 (its own admissions and reservations, immediately), and per-backend telemetry and per-session
-progress refreshed by a heartbeat every `heartbeat_s` virtual seconds. The simulated truth
-(output lengths, tool latencies) drives the engines and tools and never enters a snapshot.
+progress from a heartbeat every `telemetry.heartbeat_s` virtual seconds that arrives
+`telemetry.lag_s` after the numbers were taken (the scenario's `telemetry`). The simulated
+truth (output lengths, tool latencies) drives the engines and tools and never enters a
+snapshot.
 
 Dispatch: a policy with `dispatch_on_arrival` (an HTTP router) places every request — each
 agentic turn too — as it arrives, and the engine queues it. A broker policy places whole
@@ -22,7 +24,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from broker.policies.base import (
     BackendView,
@@ -51,7 +53,7 @@ from sim.workloads.source import SessionSource
 from sim.workloads.truth import SimSession
 
 # Event kinds, in the order they are handled at one instant.
-_RESULT, _TOOL_RETURN, _HEARTBEAT, _ARRIVAL = 0, 1, 2, 3
+_RESULT, _TOOL_RETURN, _HEARTBEAT, _TELEMETRY, _ARRIVAL = 0, 1, 2, 3, 4
 
 
 class SimulationError(RuntimeError):
@@ -98,11 +100,11 @@ class FleetResult:
 
 class FleetSim:
     def __init__(self, scenario: Scenario, policy: Policy | None, source: SessionSource, *,
-                 heartbeat_s: float = 1.0,
                  on_iteration: Callable[[IterationRecord], None] | None = None) -> None:
         self.scenario = scenario
         self.policy = policy
-        self.heartbeat_s = heartbeat_s
+        self.heartbeat_s = scenario.telemetry.heartbeat_s
+        self.lag_s = scenario.telemetry.lag_s
         self.on_iteration = on_iteration
         try:
             profile = get_profile(scenario.fleet.profile)
@@ -121,8 +123,12 @@ class FleetSim:
         self.live: dict[str, _Live] = {}
         self.by_request: dict[str, _Live] = {}
         self.pending: dict[str, deque[PendingItem]] = {w: deque() for w in scenario.mixture}
-        # The ledger as the live broker keeps it: resident sessions per backend, α per backend.
+        # The ledger as the live broker keeps it: resident sessions per backend as the policy
+        # sees them (reservations at once, progress as the last delivered heartbeat said),
+        # α per backend; and each resident session's progress as it truly is now.
         self.resident: dict[str, dict[str, ResidentSession]] = {b: {} for b in self.engines}
+        self._progress: dict[str, dict[str, ResidentSession]] = {b: {} for b in self.engines}
+        self._beats: deque[tuple[dict[str, Telemetry], dict[str, dict[str, ResidentSession]]]] = deque()
         self.alpha: dict[str, float] = {b: 1.0 for b in self.engines}
         self.telemetry: dict[str, Telemetry] = {}
         self.completions: list[Completion] = []
@@ -177,6 +183,8 @@ class FleetSim:
                         )
                     self._heartbeat()
                     self._schedule(self.now + self.heartbeat_s, _HEARTBEAT, "")
+                elif kind == _TELEMETRY:
+                    self._deliver(*self._beats.popleft())
                 elif kind == _TOOL_RETURN:
                     self._on_tool_return(self.live[sid])
                 elif kind == _ARRIVAL:
@@ -255,6 +263,9 @@ class FleetSim:
             if live is not None and live.backend is not None and live.admitted_at is not None:
                 live.reserved = tokens
                 self._update_resident(live)
+                seen = self.resident[live.backend].get(sid)
+                if seen is not None:  # the ledger changes at once; progress waits for a beat
+                    self.resident[live.backend][sid] = replace(seen, reserved_tokens=tokens)
         admitted: dict[str, set[str]] = {}
         for adm in decision.admissions:
             live = self.live.get(adm.session_id)
@@ -354,11 +365,13 @@ class FleetSim:
 
     # -- the ledger view -------------------------------------------------------------------
     def _update_resident(self, live: _Live) -> None:
+        """Record the session's progress as it is now. The policy sees a newly admitted session
+        at once (the ledger), and its progress from the next heartbeat delivered after this."""
         s = live.sim.session
         req = live.request
         out_now = req.num_output_tokens if req is not None else 0
         done_out = live.generated
-        self.resident[live.backend][s.session_id] = ResidentSession(
+        now = self._progress[live.backend][s.session_id] = ResidentSession(
             session_id=s.session_id, workload=s.workload, group_id=s.group_id,
             reserved_tokens=live.reserved, prompt_tokens=len(s.prompt_token_ids),
             context_tokens=live.prompt_len + out_now if req is not None else live.parked_context,
@@ -367,31 +380,57 @@ class FleetSim:
             max_turns=s.max_turns, waiting_on_tool=live.waiting_on_tool,
             admitted_at=live.admitted_at if live.admitted_at is not None else self.now,
         )
+        seen = self.resident[live.backend]
+        if self.lag_s == 0 or s.session_id not in seen:
+            seen[s.session_id] = now
 
     def _release(self, live: _Live) -> None:
         self.resident[live.backend].pop(live.sim.session_id, None)
+        self._progress[live.backend].pop(live.sim.session_id, None)
         self._dirty = True
 
     def _heartbeat(self) -> None:
-        """What workers report once per heartbeat: engine metrics and session progress."""
+        """What workers report once per heartbeat: engine metrics and session progress, taken
+        now and delivered `lag_s` later."""
+        telemetry: dict[str, Telemetry] = {}
+        progress: dict[str, dict[str, ResidentSession]] = {}
         for b, engine in self.engines.items():
             st = engine.stats()
-            self.telemetry[b] = Telemetry(
+            telemetry[b] = Telemetry(
                 at=self.now, kv_usage=st.kv_usage, running=st.num_running, waiting=st.num_waiting,
                 preemptions_total=st.num_preemptions_total,
                 prefix_queries_total=st.prefix_queries_total, prefix_hits_total=st.prefix_hits_total,
             )
-            self.kv_samples.append(KvSample(at=self.now, engine_id=b, usage=st.kv_usage))
+            self.kv_samples.append(KvSample(at=self.now, engine_id=b, usage=st.kv_usage,
+                                            preemptions_total=st.num_preemptions_total))
             if not self.policy.reads_progress:
                 continue
             # Only requests the engine is running make progress; parked sessions and queued
             # requests report what they reported before.
-            resident = self.resident[b]
+            truth = self._progress[b]
             for req in engine.scheduler.running:
                 session = self.by_request[req.request_id]
-                rs = resident.get(session.sim.session_id)
+                rs = truth.get(session.sim.session_id)
                 if rs is None or req.num_output_tokens + session.generated != rs.generated_tokens:
                     self._update_resident(session)
+            progress[b] = dict(truth)
+        if self.lag_s == 0:
+            self._deliver(telemetry, progress)
+        else:
+            self._beats.append((telemetry, progress))
+            self._schedule(self.now + self.lag_s, _TELEMETRY, "")
+
+    def _deliver(self, telemetry: dict[str, Telemetry],
+                 progress: dict[str, dict[str, ResidentSession]]) -> None:
+        """A heartbeat reaches the broker: its metrics, and the progress of the sessions that
+        are still resident (with the ledger's reservation as it is now)."""
+        self.telemetry.update(telemetry)
+        for b, sessions in progress.items():
+            seen = self.resident[b]
+            for sid, rs in sessions.items():
+                cur = seen.get(sid)
+                if cur is not None:
+                    seen[sid] = replace(rs, reserved_tokens=cur.reserved_tokens)
         self._dirty = True
 
     # -- results ---------------------------------------------------------------------------
@@ -408,8 +447,13 @@ class FleetSim:
             raise SimulationError(
                 f"policy {self.policy.name!r}: no iteration completed within the scenario's limits "
                 f"(simulated {self.now:.0f} s)")
+        first_fill: dict[str, int] = {}
+        for sim, at in self.enqueued:
+            if at <= 0.0:
+                first_fill[sim.workload] = first_fill.get(sim.workload, 0) + 1
         metrics = summarize(self.records, iterations, engines, self.kv_samples,
-                            self.trainer.mixture, 0.0, end)
+                            self.trainer.mixture, 0.0, end, self.scenario.trainer.batch_size,
+                            first_fill)
         return FleetResult(
             policy=self.policy.name, metrics=metrics, iterations=list(iterations),
             sessions=list(self.records), kv_samples=self.kv_samples, engines=engines,

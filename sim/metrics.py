@@ -65,11 +65,46 @@ class EngineCounters:
 
 @dataclass(frozen=True, slots=True)
 class KvSample:
-    """Engine KV usage from `at` until the engine's next sample (piecewise constant)."""
+    """An engine's KV usage from `at` until its next sample (piecewise constant), and its
+    preemption counter at `at`."""
 
     at: float
     engine_id: str
     usage: float  # vllm:kv_cache_usage_perc, 0..1
+    preemptions_total: int = 0  # vllm:num_preemptions_total
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseMetrics:
+    """One phase of a run: the cold start, or the steady state after it."""
+
+    start: float
+    end: float
+    tokens_per_s: float
+    sessions_per_s: float
+    iterations: int  # trainer iterations that completed in the phase
+    mean_iteration_s: float | None  # None when none completed
+    preemptions: int
+    mean_drift: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class DriftReport:
+    """Mixture drift taken apart, so that a policy's part shows apart from statistics'.
+
+    - `startup`: mean drift of the iterations done before every workload had a first result
+      (a `fifo` trainer's first batches hold only the fast workloads, whatever the policy);
+    - `steady`: mean drift of the iterations of the steady state;
+    - `floor`: what independent draws of exactly π give at this batch size (the expected drift
+      of a multinomial batch): no admission policy can beat it on average;
+    - `cumulative`: the whole run's consumed mix against π (errors that cancel out across
+      iterations do not count).
+    """
+
+    startup: float | None
+    steady: float | None
+    floor: float
+    cumulative: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +120,11 @@ class RunMetrics:
     kv_utilisation: float
     latency_p50_s: float
     latency_p99_s: float
+    cold: PhaseMetrics | None  # from the trainer's start until its first buffer turned over
+    steady: PhaseMetrics | None  # the rest; None when the buffer never turned over
+    steady_turnovers: float  # sessions returned in the steady state / the first fill
+    drift: DriftReport
+    warnings: tuple[str, ...] = ()
 
 
 def throughput(sessions: Iterable[SessionRecord], start: float, end: float) -> tuple[float, float]:
@@ -143,6 +183,81 @@ def latency_percentile(sessions: Iterable[SessionRecord], q: float) -> float:
     return float(np.percentile(values, q, method="linear"))
 
 
+MIN_STEADY_TURNOVERS = 3.0  # below this the steady state is too short to stand for the run
+
+
+def warmup_end(sessions: Iterable[SessionRecord], first_fill: Mapping[str, int]) -> float | None:
+    """When the trainer's first buffer had turned over: for every workload, as many of its
+    sessions had returned as it had in the first fill (what was enqueued at the start). None
+    when some workload never got there within the run."""
+    finished: dict[str, list[float]] = {}
+    for s in sessions:
+        finished.setdefault(s.workload, []).append(s.finished_at)
+    ends = []
+    for w, n in first_fill.items():
+        if n <= 0:
+            continue
+        times = sorted(finished.get(w, ()))
+        if len(times) < n:
+            return None
+        ends.append(times[n - 1])
+    return max(ends) if ends else None
+
+
+def first_result_of_every_workload(sessions: Iterable[SessionRecord],
+                                   target: Mapping[str, float]) -> float | None:
+    """When every workload with a share had returned its first result (None: one never did)."""
+    first: dict[str, float] = {}
+    for s in sessions:
+        first[s.workload] = min(first.get(s.workload, s.finished_at), s.finished_at)
+    wanted = [w for w, p in target.items() if p > 0]
+    if any(w not in first for w in wanted):
+        return None
+    return max((first[w] for w in wanted), default=None)
+
+
+def multinomial_drift_floor(batch_size: int, target: Mapping[str, float], draws: int = 20_000,
+                            seed: int = 0) -> float:
+    """E[drift] of a batch of `batch_size` independent draws from exactly π (Monte Carlo with a
+    fixed seed, so the same inputs give the same number)."""
+    names = sorted(w for w, p in target.items() if p > 0)
+    p = np.array([target[w] for w in names], dtype=float)
+    p = p / p.sum()
+    counts = np.random.default_rng(seed).multinomial(batch_size, p, size=draws)
+    full = np.array([target.get(w, 0.0) for w in names])
+    return float(0.5 * np.abs(counts / batch_size - full).sum(axis=1).mean())
+
+
+def engine_preemptions(samples: Iterable[KvSample], at: float) -> int:
+    """The fleet's preemption count at `at`: each engine's last sample at or before it."""
+    last: dict[str, tuple[float, int]] = {}
+    for s in samples:
+        if s.at <= at and (s.engine_id not in last or s.at >= last[s.engine_id][0]):
+            last[s.engine_id] = (s.at, s.preemptions_total)
+    return sum(n for _, n in last.values())
+
+
+def phase_metrics(sessions: Sequence[SessionRecord], iterations: Sequence[IterationRecord],
+                  samples: Sequence[KvSample], target: Mapping[str, float],
+                  start: float, end: float, first: bool) -> PhaseMetrics:
+    """The metrics of (start, end], or of [start, end] for the `first` phase of a run."""
+    if end <= start:
+        raise ValueError(f"span: end ({end}) must be after start ({start})")
+    done = [s for s in sessions
+            if (start < s.finished_at or (first and s.finished_at == start)) and s.finished_at <= end]
+    span = end - start
+    tokens_s, sessions_s = sum(s.output_tokens for s in done) / span, len(done) / span
+    mine = [it for it in iterations if start < it.done_at <= end]
+    drift = [mixture_drift(dict(it.consumed), target) for it in mine]
+    return PhaseMetrics(
+        start=start, end=end, tokens_per_s=tokens_s, sessions_per_s=sessions_s,
+        iterations=len(mine),
+        mean_iteration_s=mean_iteration_time(mine) if mine else None,
+        preemptions=engine_preemptions(samples, end) - engine_preemptions(samples, start),
+        mean_drift=sum(drift) / len(drift) if drift else None,
+    )
+
+
 def summarize(
     sessions: Sequence[SessionRecord],
     iterations: Sequence[IterationRecord],
@@ -151,11 +266,56 @@ def summarize(
     target: Mapping[str, float],
     start: float,
     end: float,
+    batch_size: int | None = None,
+    first_fill: Mapping[str, int] | None = None,
 ) -> RunMetrics:
-    """Every §6 metric over the measured span [start, end] (normally trainer start → last iteration)."""
+    """Every §6 metric over the measured span [start, end] (normally trainer start → last
+    iteration), and the same split into the cold start and the steady state, with the drift
+    taken apart (`DriftReport`) and warnings when the run is too short to say much.
+
+    `first_fill`: sessions per workload the trainer enqueued at `start`, returned or not
+    (default: those among `sessions` enqueued by then)."""
     tokens_s, sessions_s = throughput(sessions, start, end)
     drift = tuple(mixture_drift(dict(it.consumed), target) for it in iterations)
     measured = [s for s in sessions if start <= s.finished_at <= end]
+    warnings: list[str] = []
+    if first_fill is None:
+        first_fill = {}
+        for s in sessions:
+            if s.enqueued_at <= start:
+                first_fill[s.workload] = first_fill.get(s.workload, 0) + 1
+    warm = warmup_end(sessions, first_fill)
+    cold = steady = None
+    turnovers = 0.0
+    if warm is not None and warm <= start:
+        warm = None
+    if warm is None or warm >= end:
+        warnings.append("no steady state: the trainer's first buffer never turned over "
+                        "within the run; every figure is start-up")
+        cold = phase_metrics(sessions, iterations, kv_samples, target, start, end, first=True)
+    else:
+        cold = phase_metrics(sessions, iterations, kv_samples, target, start, warm, first=True)
+        steady = phase_metrics(sessions, iterations, kv_samples, target, warm, end, first=False)
+        filled = sum(first_fill.values())
+        returned = sum(1 for s in sessions if warm < s.finished_at <= end)
+        turnovers = returned / filled if filled else 0.0
+        if turnovers < MIN_STEADY_TURNOVERS:
+            warnings.append(f"short steady state: {turnovers:.1f} buffer turnovers after the "
+                            f"start-up (want ≥ {MIN_STEADY_TURNOVERS:g}); run more iterations")
+    every_first = first_result_of_every_workload(sessions, target)
+    startup = [d for it, d in zip(iterations, drift)
+               if every_first is None or it.done_at < every_first]
+    consumed_total: dict[str, int] = {}
+    for it in iterations:
+        for w, n in it.consumed:
+            consumed_total[w] = consumed_total.get(w, 0) + n
+    b = batch_size or (sum(n for _, n in iterations[0].consumed) if iterations else 1)
+    report = DriftReport(
+        startup=sum(startup) / len(startup) if startup else None,
+        steady=steady.mean_drift if steady is not None else None,
+        floor=multinomial_drift_floor(b, target),
+        cumulative=mixture_drift(consumed_total, target) if consumed_total else 0.0,
+    )
     return RunMetrics(
         span_s=end - start,
         tokens_per_s=tokens_s,
@@ -168,6 +328,11 @@ def summarize(
         kv_utilisation=kv_utilisation(kv_samples, start, end),
         latency_p50_s=latency_percentile(measured, 50),
         latency_p99_s=latency_percentile(measured, 99),
+        cold=cold,
+        steady=steady,
+        steady_turnovers=turnovers,
+        drift=report,
+        warnings=tuple(warnings),
     )
 
 
@@ -186,6 +351,15 @@ class Trainer:
     Consumption. `fifo`: each iteration is the next B results in completion order. `quota`: an
     iteration completes when quota_w results of every workload are held; extras wait for the
     next one. `on_result` returns the iterations a result completed (0 or 1).
+
+    Loops, as RL frameworks run them:
+    - `async` (above): the rollout buffer is refilled as results come back; with
+      `max_staleness` k the producer is also held to at most k iterations ahead of the
+      trainer: no more than (iterations done + 1 + k)·B sessions are ever enqueued (AReaL's
+      `max_head_offpolicyness`, verl's fully-async `staleness_threshold`);
+    - `sync` (verl's default): each step enqueues whole groups until it holds B sessions in the
+      mixture's quotas, waits for every one of them (the iteration is the whole step), trains
+      for `train_s`, then enqueues the next step. `mode` and `inflight_bound` do not apply.
     """
 
     def __init__(
@@ -199,15 +373,28 @@ class Trainer:
         iterations: int,
         arrival: Literal["buffer", "recorded"] = "buffer",
         start: float = 0.0,
+        loop: Literal["async", "sync"] = "async",
+        max_staleness: int | None = None,
+        train_s: float = 0.0,
     ) -> None:
         if batch_size < 1 or inflight_bound < 1 or iterations < 1:
             raise ValueError("batch_size, inflight_bound and iterations must be ≥ 1")
+        if loop == "sync" and arrival != "buffer":
+            raise ValueError("loop: 'sync' generates its own steps; it cannot replay arrivals")
+        if max_staleness is not None and (loop != "async" or max_staleness < 0):
+            raise ValueError("max_staleness: an async loop's bound, ≥ 0")
         self.mode = mode
         self.batch_size = batch_size
         self.mixture = dict(mixture)
         self.inflight_bound = inflight_bound
         self.target_iterations = iterations
         self.arrival = arrival
+        self.loop = loop
+        self.max_staleness = max_staleness
+        self.train_s = train_s
+        self._step: set[str] = set()  # sync: the ids of the step in flight
+        self._step_results: list[SessionRecord] = []
+        self._next_step_at: float | None = start  # sync: when the next step may be enqueued
         self.quota = quotas(batch_size, self.mixture)
         self.iterations: list[IterationRecord] = []
         self.consumed: dict[str, int] = {w: 0 for w in self.mixture}  # cumulative, for Snapshot
@@ -232,6 +419,9 @@ class Trainer:
             iterations=t.iterations,
             arrival=t.arrival,
             start=start,
+            loop=t.loop,
+            max_staleness=t.max_staleness,
+            train_s=t.train_s,
         )
 
     @property
@@ -249,10 +439,15 @@ class Trainer:
             return False
         if self.arrival == "recorded":
             return not self._recorded
+        if self.loop == "sync" and self._next_step_at is not None:
+            return all(self._peek(w) is None for w in self.quota)
         return self._pick() is None
 
     def next_arrival_at(self) -> float | None:
-        """When a recorded arrival is next due (None in buffer mode or when none are left)."""
+        """When the trainer next enqueues on its own: a recorded arrival, or a sync step after
+        its training time (None when nothing is due)."""
+        if self.loop == "sync":
+            return self._next_step_at if not self.done and not self._step else None
         return self._recorded[0].arrival_at if self._recorded else None
 
     def enqueue(self, now: float) -> list[SimSession]:
@@ -262,17 +457,40 @@ class Trainer:
             while self._recorded and self._recorded[0].arrival_at <= now:
                 out.append(self._take_recorded())
             return out
+        if self.loop == "sync":
+            return self._enqueue_step(now)
         while not self.done:
             w = self._pick()
             if w is None:
                 break
             group = self._peeked.pop(w)
             assert group is not None
-            if self.outstanding + len(group) > self.inflight_bound:
+            ahead = (self.max_staleness is not None and sum(self.enqueued.values()) + len(group)
+                     > (len(self.iterations) + 1 + self.max_staleness) * self.batch_size)
+            if self.outstanding + len(group) > self.inflight_bound or ahead:
                 self._peeked[w] = group  # keep order: this group goes first when room frees
                 break
             self.enqueued[w] += len(group)
             out.extend(group)
+        return out
+
+    def _enqueue_step(self, now: float) -> list[SimSession]:
+        """A sync step: whole groups until each workload holds its quota of B."""
+        if self.done or self._step or self._next_step_at is None or now < self._next_step_at:
+            return []
+        out: list[SimSession] = []
+        for w in sorted(self.quota):
+            taken = 0
+            while taken < self.quota[w]:
+                group = self._peek(w)
+                if group is None:
+                    break
+                self._peeked.pop(w)
+                self.enqueued[w] += len(group)
+                taken += len(group)
+                out.extend(group)
+        self._step = {s.session_id for s in out}
+        self._next_step_at = None
         return out
 
     def _take_recorded(self) -> SimSession:
@@ -303,6 +521,14 @@ class Trainer:
         self.returned += 1
         if self.done:
             return []
+        if self.loop == "sync":
+            self._step.discard(record.session_id)
+            self._step_results.append(record)
+            if self._step:
+                return []
+            batch, self._step_results = self._step_results, []
+            self._next_step_at = now + self.train_s
+            return [self._complete(batch, now)]
         if self.mode == "fifo":
             self._fifo.append(record)
             if len(self._fifo) < self.batch_size:

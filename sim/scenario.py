@@ -160,11 +160,42 @@ class TrainerSpec(BaseModel):
 
     iterations: PosInt
     batch_size: PosInt
-    mode: Literal["fifo", "quota"] = "fifo"
+    # async: refill a rollout buffer as results return; sync: one whole step at a time.
+    loop: Literal["async", "sync"] = "async"
+    mode: Literal["fifo", "quota"] = "fifo"  # how an async trainer takes its batches
     # Most sessions enqueued and not yet returned; the trainer refills up to it (async RL).
     inflight_bound: PosInt
+    # async only: the producer is at most this many iterations ahead of the trainer.
+    max_staleness: Annotated[int, Field(ge=0)] | None = None
+    # sync only: simulated seconds of training between one step's last result and the next.
+    train_s: NonNegFloat = 0.0
     # buffer: closed loop, enqueue to keep the buffer full; recorded: replay trace arrival times.
     arrival: Literal["buffer", "recorded"] = "buffer"
+
+    @model_validator(mode="after")
+    def _loop_fields(self) -> TrainerSpec:
+        if self.loop == "sync":
+            if self.max_staleness is not None:
+                raise ValueError("max_staleness: only an async loop has one")
+            if self.arrival != "buffer":
+                raise ValueError("arrival: a sync loop makes its own steps ('buffer' only)")
+        elif self.train_s:
+            raise ValueError("train_s: only a sync loop waits for training")
+        return self
+
+
+class TelemetrySpec(BaseModel):
+    """What the policy learns of the engines, and when, as the live system delivers it: a
+    heartbeat every `heartbeat_s` carrying the engine's /metrics and each session's progress
+    as they were `lag_s` earlier (the worker scrapes /metrics about once a second and beats
+    the latest scrape; its mean age at the broker is about half a period). KV usage is
+    counted in whole 16-token blocks, as vLLM reports it. `lag_s: 0` gives exact, instant
+    feedback (an idealisation no live broker has)."""
+
+    model_config = _STRICT
+
+    heartbeat_s: PosFloat = 1.0
+    lag_s: NonNegFloat = 0.5
 
 
 class LimitsSpec(BaseModel):
@@ -187,6 +218,7 @@ class Scenario(BaseModel):
     mixture: Annotated[dict[str, Annotated[float, Field(ge=0.0, le=1.0)]], Field(min_length=1)]
     trainer: TrainerSpec
     vocab_size: Annotated[int, Field(ge=2, le=1_000_000)] = 151_936  # Qwen3 embedding rows
+    telemetry: TelemetrySpec = TelemetrySpec()
     limits: LimitsSpec = LimitsSpec()
 
     @model_validator(mode="before")

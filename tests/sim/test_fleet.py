@@ -222,3 +222,63 @@ def test_trace_replay_gives_the_same_run(tmp_path) -> None:
     assert [r.session_id for r in res2.sessions][:32] == [r.session_id for r in res.sessions][:32]
     assert res2.metrics.tokens_per_s == pytest.approx(res.metrics.tokens_per_s)
     assert load_scenario(QUICK).name == "quick"
+
+
+def _with(scenario_data_update: dict, iterations: int = 2, **trainer: object) -> FleetSim:
+    data = yaml.safe_load(open(QUICK))
+    data["trainer"].update({"iterations": iterations, "batch_size": 16, "inflight_bound": 32,
+                            **trainer})
+    data.update(scenario_data_update)
+    scenario = parse_scenario(data, origin="tiny")
+    return FleetSim(scenario, None, make_source(scenario, QUICK))
+
+
+@pytest.mark.parametrize("lag", [0.0, 0.5, 2.0])
+def test_telemetry_reaches_the_policy_as_old_as_the_live_system_delivers_it(lag):
+    sim = _with({"telemetry": {"heartbeat_s": 1.0, "lag_s": lag}}, iterations=3)
+    spy = Spy()
+    sim.policy = spy
+    sim.run()
+    ages = [snap.now - b.telemetry.at for snap in spy.snapshots for b in snap.backends
+            if b.telemetry is not None]
+    assert ages and min(ages) >= lag - 1e-9  # never fresher than the lag allows
+    assert max(ages) <= lag + 1.0 + 1e-9  # at most one period older than that
+
+
+def test_a_sync_trainer_runs_step_by_step_and_the_engines_idle_while_it_trains():
+    sim = _with({}, iterations=3, loop="sync", train_s=30.0)
+    sim.policy = make_policy("least_loaded")
+    res = sim.run()
+    its = res.iterations
+    assert len(its) == 3 and res.completed
+    for prev, nxt in zip(its, its[1:]):
+        # every session of a step was enqueued after the previous step's training ended
+        step = {r.session_id: r for r in res.sessions if r.session_id in nxt.session_ids}
+        assert min(r.enqueued_at for r in step.values()) >= prev.done_at + 30.0 - 1e-9
+        assert len(nxt.session_ids) >= 16
+    # the first step is the whole cold start: the steady state starts at its end
+    assert res.metrics.cold.end == pytest.approx(its[0].done_at)
+
+
+def test_run_metrics_warn_when_the_steady_state_is_too_short():
+    res = run(make_policy("least_loaded"), iterations=2)[1]
+    assert any("steady state" in w for w in res.metrics.warnings)
+
+
+def test_session_progress_reaches_the_policy_with_the_heartbeats_lag():
+    sim = _with({"telemetry": {"heartbeat_s": 1.0, "lag_s": 2.0}}, iterations=3)
+    seen_behind = []
+
+    class Watcher(Spy):
+        def decide(self, snapshot: Snapshot) -> Decision:
+            for b in snapshot.backends:
+                for rs in b.sessions:
+                    now = sim._progress[b.backend_id].get(rs.session_id)
+                    if now is not None:
+                        assert rs.generated_tokens <= now.generated_tokens
+                        seen_behind.append(rs.generated_tokens < now.generated_tokens)
+            return super().decide(snapshot)
+
+    sim.policy = Watcher()
+    sim.run()
+    assert any(seen_behind)  # with a lag, the policy sees progress that has moved on since

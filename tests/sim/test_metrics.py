@@ -82,6 +82,57 @@ def test_summarize_combines_the_definitions():
     assert (m.latency_p50_s, m.latency_p99_s) == (2.5, pytest.approx(2.99))
 
 
+def test_cold_start_ends_when_each_workloads_first_fill_has_turned_over():
+    # First fill at t=0: a ×2, b ×1. a's 2nd return is at 5, b's 1st at 3 → warm from t=5.
+    sessions = [rec("a1", "a", enq=0, fin=1, out=10), rec("b1", "b", enq=0, fin=3, out=20),
+                rec("a2", "a", enq=0, fin=5, out=30), rec("a3", "a", enq=1, fin=7, out=40),
+                rec("b2", "b", enq=3, fin=9, out=50), rec("a4", "a", enq=5, fin=10, out=60)]
+    its = [it(0, 0, 3, a=1, b=1), it(1, 3, 7, a=2), it(2, 7, 10, a=1, b=1)]
+    samples = [KvSample(0, "e", 0.5, 0), KvSample(4, "e", 0.5, 7), KvSample(8, "e", 0.5, 9)]
+    m = summarize(sessions, its, [EngineCounters("e", 1, 1, 9)], samples, {"a": 0.5, "b": 0.5},
+                  0.0, 10.0, batch_size=2)
+    assert (m.cold.start, m.cold.end, m.steady.start, m.steady.end) == (0.0, 5.0, 5.0, 10.0)
+    # cold [0, 5]: a1, b1, a2 → 60 tok / 5 s = 12; its 0 (done 3) only; preemptions 7 − 0.
+    assert (m.cold.tokens_per_s, m.cold.iterations, m.cold.preemptions) == (12.0, 1, 7)
+    # steady (5, 10]: a3, b2, a4 → 150 / 5 = 30; its 1, 2 (4 s, 3 s); preemptions 9 − 7 = 2.
+    assert (m.steady.tokens_per_s, m.steady.iterations, m.steady.mean_iteration_s) == (30.0, 2, 3.5)
+    assert m.steady.preemptions == 2
+    # drifts: it0 0, it1 ½(|1−½| + |0−½|) = ½, it2 0 → steady mean ¼.
+    assert m.steady.mean_drift == pytest.approx(0.25) and m.drift.steady == pytest.approx(0.25)
+    # 3 returned after warm-up / 3 in the first fill = 1 turnover: too short, and it says so.
+    assert m.steady_turnovers == 1.0
+    assert any("short steady state" in w for w in m.warnings)
+
+
+def test_no_steady_state_is_said_not_hidden():
+    # b's only first-fill session never returns within the run.
+    sessions = [rec("a1", "a", enq=0, fin=1), rec("a2", "a", enq=1, fin=2)]
+    m = summarize(sessions, [it(0, 0, 2, a=2)], [], [], {"a": 0.5, "b": 0.5}, 0.0, 2.0,
+                  first_fill={"a": 1, "b": 1})
+    assert m.steady is None and m.cold.end == 2.0
+    assert any("no steady state" in w for w in m.warnings)
+
+
+def test_drift_is_taken_apart():
+    # b's first result is at 6: iterations done before it are start-up.
+    sessions = [rec("a1", "a", fin=1), rec("a2", "a", fin=2), rec("b1", "b", fin=6),
+                rec("a3", "a", fin=7)]
+    its = [it(0, 0, 2, a=2), it(1, 2, 7, a=1, b=1)]
+    m = summarize(sessions, its, [], [], {"a": 0.5, "b": 0.5}, 0.0, 7.0, batch_size=2)
+    assert m.drift.startup == pytest.approx(0.5)  # it0 holds only a: ½(½ + ½)
+    assert m.drift.cumulative == pytest.approx(0.25)  # a 3, b 1 of 4: ½(|¾−½| + |¼−½|)
+    # Two draws from ½/½: half the time both the same (drift ½), half split (0) → ¼.
+    assert m.drift.floor == pytest.approx(0.25, abs=0.01)
+
+
+def test_the_multinomial_floor_shrinks_with_the_batch():
+    from sim.metrics import multinomial_drift_floor
+    pi = {"rlvr": 0.5, "rlhf": 0.3, "agentic": 0.2}
+    small, large = multinomial_drift_floor(128, pi), multinomial_drift_floor(2048, pi)
+    assert 0.04 < small < 0.06 and 0.01 < large < 0.015  # ~1/√B
+    assert multinomial_drift_floor(128, pi) == small  # a fixed seed: the same number twice
+
+
 def test_quotas_by_largest_remainder():
     assert quotas(10, {"a": 0.5, "b": 0.3, "c": 0.2}) == {"a": 5, "b": 3, "c": 2}
     # 8 → 4, 2.4, 1.6: floors 4 + 2 + 1 = 7; the one left goes to the largest remainder (c, .6).
@@ -184,3 +235,32 @@ def test_trainer_stalls_when_a_finite_source_runs_dry():
     assert not t.stalled()  # one result still outstanding
     t.on_result(rec("b0-0", "b"), 1.0)
     assert t.stalled() and not t.done
+
+
+def test_sync_trainer_runs_one_whole_step_at_a_time():
+    t = Trainer(FakeSource(), mode="fifo", batch_size=4, mixture={"a": 0.5, "b": 0.5},
+                inflight_bound=4, iterations=2, loop="sync", train_s=10.0)
+    step = _ids(t.enqueue(0.0))
+    # quota 2 + 2: a in one group of 2, b in two groups of 1
+    assert step == ["a0-0", "a0-1", "b0-0", "b1-0"]
+    assert t.enqueue(0.5) == []  # nothing more until this step is done and trained on
+    for i, sid in enumerate(step[:-1]):
+        assert t.on_result(rec(sid, sid[0]), float(i)) == []
+    (first,) = t.on_result(rec("b1-0", "b"), 5.0)
+    assert first.session_ids == tuple(step) and first.done_at == 5.0
+    assert t.next_arrival_at() == 15.0 and t.enqueue(14.0) == []  # training
+    assert _ids(t.enqueue(15.0)) == ["a1-0", "a1-1", "b2-0", "b3-0"]
+
+
+def test_a_staleness_bound_holds_the_producer_to_k_iterations_ahead():
+    t = Trainer(FakeSource(), mode="fifo", batch_size=2, mixture={"a": 0.5, "b": 0.5},
+                inflight_bound=100, iterations=10, max_staleness=1)
+    # (0 done + 1 + 1) · 2 = 4 sessions at most before the first iteration is consumed
+    assert len(t.enqueue(0.0)) == 4 and t.outstanding == 4
+    t.on_result(rec("b0-0", "b"), 1.0)
+    t.on_result(rec("a0-0", "a"), 2.0)  # iteration 1 done: up to 6 in all now
+    # b2 (key 6 < 8) fits; then a1 (a group of 2, never split) would make 7 > 6: stop.
+    assert _ids(t.enqueue(2.0)) == ["b2-0"] and sum(t.enqueued.values()) == 5
+    unbounded = Trainer(FakeSource(), mode="fifo", batch_size=2, mixture={"a": 0.5, "b": 0.5},
+                        inflight_bound=100, iterations=10)
+    assert len(unbounded.enqueue(0.0)) > 10
