@@ -121,7 +121,7 @@ def steady(name: str, calls: int, all_fresh: bool, seed: int) -> tuple[list[floa
     pool = make_pending(1_000 + 200 * calls, rng)  # arrivals refill what each call admits
     pending = {w: items[:500 if w == "rlvr" else 250] for w, items in pool.items()}
     later = {w: list(items[len(pending[w]):]) for w, items in pool.items()}
-    policy = make_policy(name, **oracle_params(name))
+    policy = make_policy(name, **true_lengths_params(name))
     warm(policy, pending, rng)
     # ~40 residents per backend, topped up so that each backend has room for about three
     # typical admissions under its reservations: a few dozen across the fleet.
@@ -170,7 +170,7 @@ def steady(name: str, calls: int, all_fresh: bool, seed: int) -> tuple[list[floa
 def cold(name: str, seed: int) -> tuple[float, int]:
     rng = random.Random(seed)
     pending = make_pending(1_000, rng)
-    policy = make_policy(name, **oracle_params(name))
+    policy = make_policy(name, **true_lengths_params(name))
     snap = Snapshot(now=0.0, pending=pending, backends=fleet([()] * BACKENDS, [0.0] * BACKENDS, {}),
                     mixture_target=MIX, consumed={})
     t0 = time.perf_counter_ns()
@@ -180,8 +180,8 @@ def cold(name: str, seed: int) -> tuple[float, int]:
     return elapsed / max(n, 1), n
 
 
-def oracle_params(name: str) -> dict:
-    return {"true_output_lengths": lambda sid: (4_000,)} if name == "oracle" else {}
+def true_lengths_params(name: str) -> dict:
+    return {"true_output_lengths": lambda sid: (4_000,)} if name == "misa_t-true-lengths" else {}
 
 
 def main() -> None:

@@ -72,9 +72,9 @@ def bench(
     json_out: Annotated[Optional[str], typer.Option("--json", help="write every metric per policy here")] = None,
     plots: Annotated[Optional[str], typer.Option(help="write PNG plots into this directory")] = None,
     jobs: Annotated[int, typer.Option(help="policies simulated in parallel processes")] = 1,
-    sweep_iterations: Annotated[Optional[int], typer.Option(help="iterations per cache_aware_swept grid point")] = None,
+    sweep_iterations: Annotated[Optional[int], typer.Option(help="iterations per cache_aware_swept grid point (default: whole runs, on the evaluation seed + 1)")] = None,
 ) -> None:
-    """Simulate policies side by side on a scenario and compare them (DESIGN §6)."""
+    """Simulate policies side by side on a scenario and compare them (docs/misa-t.md)."""
     from sim.bench_cli import bench as run_bench
     from sim.bench_cli import parse_policies
     from sim.fleet import SimulationError

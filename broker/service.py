@@ -34,10 +34,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain, islice
 
+from broker.decision import LedgerEntry, apply_decision
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
 from broker.keys import BROKER_GROUP, Keys
 from broker.lease import Lease
-from broker.ledger import LedgerState
 from broker.policies import make_policy
 from broker.policies.base import Completion, Decision, PendingItem, Policy
 from broker.queue import PendingEntry, SessionQueue, decode_entry
@@ -405,20 +405,37 @@ class BrokerService:
         now = time.time()
         snap = build_snapshot(now, pending, fleet, self._meta, completions)
         decision = self.policy.decide(snap)
-        return self._apply(decision, fleet.ledgers, now)
+        return self._apply(decision, fleet, now)
 
-    def _apply(self, decision: Decision, ledgers: Mapping[str, LedgerState], now: float) -> int:
+    def _apply(self, decision: Decision, fleet: FleetRead, now: float) -> int:
+        """Plan with the shared rule (`broker.decision.apply_decision`: α, then recharges, then
+        admissions) against the ledger just read, then send what it accepted, in that order,
+        in one pipeline; the scripts apply the same rule atomically to the ledger as it is by
+        then (finishes since the read only make room)."""
         k, token = self.keys, self.lease.token
-        pipe = self._client.pipeline(transaction=False)
-        placed: list[tuple[dict[str, _Held], _Held, str]] = []
         # A router baseline forwards everything and lets the engine queue: the ledger charges
         # its sessions but does not hold them back, or the baseline would be secretly admitted.
-        enforce = "0" if self.policy.dispatch_on_arrival else "1"
+        enforce = not self.policy.dispatch_on_arrival
+        ledgers = {b: LedgerEntry(capacity_tokens=led.capacity_tokens, alpha=led.alpha,
+                                  sessions=dict(led.sessions), healthy=fleet.heartbeats.get(b) is not None,
+                                  reserved_tokens=led.reserved_tokens)
+                   for b, led in fleet.ledgers.items()}
         for adm in decision.admissions:
-            found = self._find(adm.session_id)
-            if found is None or adm.backend_id not in ledgers:
+            if self._find(adm.session_id) is None or adm.backend_id not in ledgers:
                 log.error("policy %s admitted %s to %s: unknown session or backend",
                           self.policy.name, adm.session_id, adm.backend_id)
+        plan = apply_decision(decision, ledgers, enforce)
+        pipe = self._client.pipeline(transaction=False)
+        for b, alpha in plan.alpha.items():
+            pipe.hset(k.ledger(b), "alpha", repr(alpha))
+        for sid, (b, tokens) in plan.recharge.items():
+            self._scripts.recharge(keys=[k.lease, k.session(sid), k.ledger(b), k.ledger_sessions(b)],
+                                   args=[token, sid, b, tokens, "1" if enforce else "0"],
+                                   client=pipe)
+        placed: list[tuple[dict[str, _Held], _Held, str]] = []
+        for adm in plan.admissions:
+            found = self._find(adm.session_id)
+            if found is None:
                 continue
             queue, held = found
             b = adm.backend_id
@@ -426,21 +443,12 @@ class BrokerService:
                 keys=[k.lease, k.session(adm.session_id), k.ledger(b), k.ledger_sessions(b),
                       k.heartbeat(b), k.admitted(b), held.entry.stream],
                 args=[token, adm.session_id, b, int(adm.reserved_tokens), held.entry.entry_id,
-                      repr(now), enforce],
+                      repr(now), "1" if enforce else "0"],
                 client=pipe)
             placed.append((queue, held, b))
-        for b, alpha in decision.alpha.items():
-            if b in ledgers and alpha > 0:
-                pipe.hset(k.ledger(b), "alpha", repr(float(alpha)))
-        for sid, tokens in decision.recharge.items():
-            meta_b = next((b for b, led in ledgers.items() if sid in led.sessions), None)
-            if meta_b is not None:
-                self._scripts.recharge(
-                    keys=[k.lease, k.session(sid), k.ledger(meta_b), k.ledger_sessions(meta_b)],
-                    args=[token, sid, meta_b, int(tokens)], client=pipe)
         replies = pipe.execute(raise_on_error=True) if len(pipe) else []
         admitted = 0
-        for (queue, held, b), reply in zip(placed, replies):
+        for (queue, held, b), reply in zip(placed, replies[-len(placed):] if placed else []):
             r = as_text(reply)
             sid = held.item.session_id
             if r == "ok":

@@ -3,10 +3,12 @@
 Each policy runs in its own `FleetSim` over the same generated (or replayed) sessions. Two
 names are built here rather than in the registry, because they need the simulator:
 - `cache_aware_swept` — the paper's sweep-tuned vLLM Router: `cache_aware` over the parameter
-  grid of `cache_aware_grid()` on a shortened copy of the scenario (`sweep_iterations`
-  iterations), then the best setting by rollout throughput on the full scenario;
-- `oracle` — the registry's oracle policy fed the simulator's true output lengths: an upper
-  reference, never a deployable policy.
+  grid of `cache_aware_grid()` (the router's defaults among its points), each point run on the
+  whole scenario under a *different seed* (`sweep_seed`: the evaluation seed + 1), and the best
+  point by rollout throughput is then run on the evaluation seed: tuned, but not on the run it
+  is judged on, nor on its start-up alone;
+- `misa_t-true-lengths` — MISA-T fed the simulator's true output lengths: a reference for
+  MISA-T's machinery, never a deployable policy and not an upper bound (see `sim/bound.py`).
 The JSON holds only simulated quantities, so the same scenario and seed give the same bytes.
 """
 
@@ -25,7 +27,7 @@ from sim.scenario import Scenario, load_scenario, parse_scenario
 from sim.workloads.source import make_source
 
 SWEPT = "cache_aware_swept"
-ORACLE = "oracle"
+TRUE_LENGTHS = "misa_t-true-lengths"
 BASELINES = ("round_robin", "least_loaded", "power_of_two", "cache_aware", SWEPT)
 
 
@@ -66,7 +68,7 @@ def run_one(scenario_path: str, seed: int | None, spec: RunSpec,
     sim = FleetSim(scenario, None, source,
                    on_iteration=(lambda it: on_iteration(it.index + 1)) if on_iteration else None)
     params = dict(spec.params)
-    if spec.policy == ORACLE:
+    if spec.policy == TRUE_LENGTHS:
         params["true_output_lengths"] = sim.true_output_lengths
     sim.policy = make_policy(spec.policy, **params)
     return sim.run()
@@ -98,10 +100,16 @@ def run_many(scenario_path: str, seed: int | None, specs: Sequence[RunSpec], job
         return out
 
 
-def sweep_cache_aware(scenario_path: str, seed: int | None, sweep_iterations: int, jobs: int,
+def sweep_seed(scenario_seed: int) -> int:
+    """The seed `cache_aware_swept` is tuned on: never the one it is evaluated on."""
+    return scenario_seed + 1
+
+
+def sweep_cache_aware(scenario_path: str, seed: int, sweep_iterations: int | None, jobs: int,
                       on_done: Callable[[RunSpec, FleetResult], None] | None = None,
                       ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The grid on a shortened run; returns (best params, every point's throughput)."""
+    """The grid on the scenario under `seed` (pass `sweep_seed(evaluation seed)`), at full
+    length unless `sweep_iterations` says otherwise; returns (best params, every point)."""
     from broker.policies.cache_aware import cache_aware_grid
 
     specs = [RunSpec("cache_aware", tuple(sorted(p.items())), sweep_iterations) for p in cache_aware_grid()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,6 @@ from rich.table import Table
 from broker.policies.cache_aware import cache_aware_grid
 from sim.bench import (
     BASELINES,
-    ORACLE,
     SWEPT,
     RunSpec,
     check_policies,
@@ -21,11 +21,14 @@ from sim.bench import (
     run_many,
     run_one,
     sweep_cache_aware,
+    sweep_seed,
     with_overrides,
     write_json,
 )
+from sim.bound import FluidBound, fluid_bound
 from sim.fleet import FleetResult
 from sim.scenario import load_scenario
+from sim.scenario_checks import scenario_warnings
 
 
 def bench(scenario_path: str, policies: list[str], seed: int | None, json_out: str | None,
@@ -34,10 +37,13 @@ def bench(scenario_path: str, policies: list[str], seed: int | None, json_out: s
     if console is None:
         console = Console(stderr=True)
         if not console.is_terminal:
-            console = Console(stderr=True, width=170)
+            console = Console(stderr=True, width=230)
     scenario = with_overrides(load_scenario(scenario_path), seed, None)  # validates early
     check_policies(policies)
-    sweep_its = sweep_iterations or max(2, min(5, scenario.trainer.iterations // 10))
+    for w in scenario_warnings(scenario, scenario_path):
+        console.print(f"[yellow]warning:[/] {scenario.name}: {w}")
+    bound = fluid_bound(scenario, scenario_path)
+    tune_seed = sweep_seed(scenario.seed)
     results: dict[str, FleetResult] = {}
     params: dict[str, dict[str, Any]] = {}
     walls: dict[str, float] = {}
@@ -45,9 +51,11 @@ def bench(scenario_path: str, policies: list[str], seed: int | None, json_out: s
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
         if SWEPT in policies:
-            grid_task = progress.add_task(f"{SWEPT}: sweep ({sweep_its} iterations each)", total=len(cache_aware_grid()))
+            length = f"{sweep_iterations} iterations" if sweep_iterations else "full runs"
+            grid_task = progress.add_task(f"{SWEPT}: sweep on seed {tune_seed} ({length})",
+                                          total=len(cache_aware_grid()))
             best, sweep_points = sweep_cache_aware(
-                scenario_path, seed, sweep_its, jobs,
+                scenario_path, tune_seed, sweep_iterations, jobs,
                 on_done=lambda spec, res: progress.advance(grid_task))
             params[SWEPT] = best
         specs = []
@@ -81,11 +89,14 @@ def bench(scenario_path: str, policies: list[str], seed: int | None, json_out: s
         "scenario_file": str(scenario_path),
         "seed": scenario.seed,
         "parameters": scenario.model_dump(mode="json"),
+        "bound": asdict(bound),
+        "scenario_warnings": scenario_warnings(scenario, scenario_path),
         "policies": {n: result_json(results[n], params[n]) for n in policies},
     }
     if sweep_points:
-        report["cache_aware_sweep"] = {"iterations": sweep_its, "points": sweep_points}
-    print_table(console, scenario.name, results, params, walls)
+        report["cache_aware_sweep"] = {"seed": tune_seed, "iterations": sweep_iterations,
+                                       "points": sweep_points}
+    print_table(console, scenario.name, results, params, walls, bound)
     if json_out:
         write_json(json_out, report)
         console.print(f"wrote {json_out}")
@@ -97,27 +108,56 @@ def bench(scenario_path: str, policies: list[str], seed: int | None, json_out: s
     return report
 
 
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def print_table(console: Console, scenario: str, results: dict[str, FleetResult],
-                params: dict[str, dict[str, Any]], walls: dict[str, float]) -> None:
-    base = [results[n].metrics.tokens_per_s for n in results if n in BASELINES]
-    best_base = max(base) if base else None
+                params: dict[str, dict[str, Any]], walls: dict[str, float],
+                bound: FluidBound | None = None) -> None:
+    """Whole run, cold start and steady state apart; ratios to the best router baseline of
+    the same run (overall and steady), and to the fluid bound."""
+    base = [results[n].metrics for n in results if n in BASELINES]
+    best = max((m.tokens_per_s for m in base), default=None)
+    best_steady = max((m.steady.tokens_per_s for m in base if m.steady is not None), default=None)
     t = Table(title=f"{scenario}: rollout policies (same sessions, same seed)")
-    for col in ("policy", "tok/s", "×best base", "sess/s", "iter s", "drift", "prefix hit",
-                "preempt", "KV util", "p50 s", "p99 s", "done", "wall s"):
-        t.add_column(col, justify="left" if col == "policy" else "right")
+    for col in ("policy", "tok/s", "×best base", "% bound", "cold tok/s", "steady tok/s",
+                "×best steady", "steady iter s", "drift steady", "drift start", "drift cum",
+                "prefix hit", "preempt cold/steady", "KV util", "p99 s", "done", "wall s"):
+        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "policy")
     for name, r in results.items():
         m = r.metrics
-        label = name + (" (upper ref.)" if name == ORACLE else "")
+        label = name
         if name == SWEPT and params.get(name):
             p = params[name]
             label += f" [{p['cache_threshold']}/{p['balance_abs_threshold']}/{p['balance_rel_threshold']}]"
-        ratio = f"{m.tokens_per_s / best_base:.2f}" if best_base else "-"
-        t.add_row(label, f"{m.tokens_per_s:,.0f}", ratio, f"{m.sessions_per_s:.2f}",
-                  f"{m.mean_iteration_s:.1f}", f"{m.mean_drift:.3f}", f"{m.prefix_hit_rate:.3f}",
-                  f"{m.preemptions:,}", f"{m.kv_utilisation:.2f}", f"{m.latency_p50_s:.0f}",
-                  f"{m.latency_p99_s:.0f}", "yes" if r.completed else "CUT",
-                  f"{walls.get(name, 0):.0f}")
+        steady = m.steady
+        ratio = f"{m.tokens_per_s / best:.2f}" if best else "-"
+        ratio_steady = (f"{steady.tokens_per_s / best_steady:.2f}"
+                        if steady is not None and best_steady else "-")
+        pct = f"{100 * m.tokens_per_s / bound.tokens_per_s:.0f}%" if bound else "-"
+        preempt = f"{m.cold.preemptions:,}/{steady.preemptions:,}" if steady else f"{m.preemptions:,}/-"
+        t.add_row(label, f"{m.tokens_per_s:,.0f}", ratio, pct,
+                  f"{m.cold.tokens_per_s:,.0f}",
+                  _f(steady.tokens_per_s if steady else None, ",.0f"), ratio_steady,
+                  _f(steady.mean_iteration_s if steady else None, ".1f"),
+                  _f(m.drift.steady, ".3f"), _f(m.drift.startup, ".3f"),
+                  f"{m.drift.cumulative:.3f}", f"{m.prefix_hit_rate:.3f}", preempt,
+                  f"{m.kv_utilisation:.2f}", f"{m.latency_p99_s:.0f}",
+                  "yes" if r.completed else "CUT", f"{walls.get(name, 0):.0f}")
     console.print(t)
+    any_result = next(iter(results.values()), None)
+    if bound is not None:
+        console.print(f"fluid bound {bound.tokens_per_s:,.0f} tok/s: {bound.seqs_per_engine:.0f} "
+                      f"sequences per engine (limited by {bound.limited_by}), mean context "
+                      f"{bound.mean_context:,.0f} tokens, {bound.prefill_per_output:.2f} prefill "
+                      "tokens per output token (sim/bound.py)")
+    if any_result is not None:
+        console.print(f"drift floor at this batch size (independent draws of π): "
+                      f"{any_result.metrics.drift.floor:.3f}")
+    for name, r in results.items():
+        for w in r.metrics.warnings:
+            console.print(f"[yellow]warning:[/] {name}: {w}")
 
 
 def parse_policies(text: str) -> list[str]:

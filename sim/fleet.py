@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from broker.decision import LedgerEntry, apply_decision
 from broker.policies.base import (
     BackendView,
     Completion,
@@ -35,6 +36,7 @@ from broker.policies.base import (
     ResidentSession,
     Snapshot,
     Telemetry,
+    kv_token_seconds,
 )
 from sim.engine.core import EngineCore
 from sim.engine.profiles import get_profile
@@ -81,7 +83,8 @@ class _Live:
     parked_context: int = 0  # tokens of history in KV after the last finished turn
     waiting_on_tool: bool = False
     tool_wait_s: float = 0.0
-    kv_token_seconds: float = 0.0
+    kv_turns: list[tuple[int, int, float]] = field(default_factory=list)  # see kv_token_seconds
+    kv_waits: list[tuple[int, float]] = field(default_factory=list)
     truncated: bool = False
 
 
@@ -129,7 +132,9 @@ class FleetSim:
         self.resident: dict[str, dict[str, ResidentSession]] = {b: {} for b in self.engines}
         self._progress: dict[str, dict[str, ResidentSession]] = {b: {} for b in self.engines}
         self._beats: deque[tuple[dict[str, Telemetry], dict[str, dict[str, ResidentSession]]]] = deque()
-        self.alpha: dict[str, float] = {b: 1.0 for b in self.engines}
+        self.ledger: dict[str, LedgerEntry] = {
+            b: LedgerEntry(capacity_tokens=e.num_gpu_blocks * e.block_size)
+            for b, e in self.engines.items()}
         self.telemetry: dict[str, Telemetry] = {}
         self.completions: list[Completion] = []
         self.records: list[SessionRecord] = []
@@ -142,7 +147,7 @@ class FleetSim:
         self.decide_calls = 0
 
     def true_output_lengths(self, session_id: str) -> tuple[int, ...]:
-        """The hidden truth, for the `oracle` reference policy only (the bench wires it in)."""
+        """The hidden truth, for the `misa_t-true-lengths` reference only (the bench wires it in)."""
         return self.live[session_id].sim.truth.output_tokens
 
     # -- driving ---------------------------------------------------------------------------
@@ -250,28 +255,34 @@ class FleetSim:
         engine = self.engines[b]
         return BackendView(
             backend_id=b, capacity_tokens=engine.num_gpu_blocks * engine.block_size,
-            max_model_len=engine.max_model_len, healthy=True, alpha=self.alpha[b],
+            max_model_len=engine.max_model_len, healthy=True, alpha=self.ledger[b].alpha,
             telemetry=self.telemetry.get(b), sessions=tuple(self.resident[b].values()),
         )
 
     def _apply(self, decision: Decision) -> None:
-        for b, a in decision.alpha.items():
-            if b in self.alpha:
-                self.alpha[b] = a
-        for sid, tokens in decision.recharge.items():
-            live = self.live.get(sid)
-            if live is not None and live.backend is not None and live.admitted_at is not None:
-                live.reserved = tokens
-                self._update_resident(live)
-                seen = self.resident[live.backend].get(sid)
-                if seen is not None:  # the ledger changes at once; progress waits for a beat
-                    self.resident[live.backend][sid] = replace(seen, reserved_tokens=tokens)
-        admitted: dict[str, set[str]] = {}
+        """The broker's rule (`broker.decision.apply_decision`): α, then recharges, then the
+        admissions the ledger has room for; a refused admission stays pending."""
+        pending_ids = {p.session_id for q in self.pending.values() for p in q}
         for adm in decision.admissions:
             live = self.live.get(adm.session_id)
             if live is None or adm.backend_id not in self.engines:
                 raise SimulationError(f"policy {self.policy.name!r} admitted unknown "
                                       f"session {adm.session_id!r} or backend {adm.backend_id!r}")
+            if adm.session_id not in pending_ids:
+                raise SimulationError(f"policy {self.policy.name!r} admitted a session that was not pending")
+            pending_ids.discard(adm.session_id)
+        applied = apply_decision(decision, self.ledger,
+                                 enforce=not self.policy.dispatch_on_arrival)
+        for sid, (b, tokens) in applied.recharge.items():
+            live = self.live[sid]
+            live.reserved = tokens
+            self._update_resident(live)
+            seen = self.resident[b].get(sid)
+            if seen is not None:  # the ledger changes at once; progress waits for a beat
+                self.resident[b][sid] = replace(seen, reserved_tokens=tokens)
+        admitted: dict[str, set[str]] = {}
+        for adm in applied.admissions:
+            live = self.live[adm.session_id]
             admitted.setdefault(live.sim.workload, set()).add(adm.session_id)
             if live.admitted_at is None:
                 live.admitted_at = self.now
@@ -279,11 +290,7 @@ class FleetSim:
             live.reserved = adm.reserved_tokens
             self._submit_turn(live)
         for w, ids in admitted.items():
-            q = self.pending[w]
-            before = len(q)
-            self.pending[w] = deque(p for p in q if p.session_id not in ids)
-            if before - len(self.pending[w]) != len(ids):
-                raise SimulationError(f"policy {self.policy.name!r} admitted a session that was not pending")
+            self.pending[w] = deque(p for p in self.pending[w] if p.session_id not in ids)
 
     # -- sessions on engines ---------------------------------------------------------------
     def _submit_turn(self, live: _Live) -> None:
@@ -312,11 +319,9 @@ class FleetSim:
         live.truncated |= req.finish_reason is FinishReason.length
         if live.first_token_at is None:
             live.first_token_at = req.first_token_time
-        # KV held by this turn: prompt + growing output, from scheduling to finish (approximation:
-        # the context is resident from first token to finish, plus the prefill interval).
-        if req.first_token_time is not None and req.finish_time is not None:
-            live.kv_token_seconds += (req.finish_time - req.first_token_time) * (
-                live.prompt_len + req.num_output_tokens / 2.0)
+        if req.finish_time is not None:  # the turn, submission to last token
+            live.kv_turns.append((live.prompt_len, req.num_output_tokens,
+                                  req.finish_time - req.arrival_time))
         live.turn += 1
         truth = live.sim.truth
         if live.turn < truth.turns:
@@ -326,6 +331,7 @@ class FleetSim:
             live.history_hashes = req.block_hashes  # all within prompt + output tokens
             wait = truth.tool_latency_s[live.turn - 1]
             live.tool_wait_s += wait
+            live.kv_waits.append((live.prompt_len + req.num_output_tokens, wait))
             live.waiting_on_tool = True
             self._update_resident(live)
             self._schedule(self.now + wait, _TOOL_RETURN, live.sim.session_id)
@@ -337,7 +343,8 @@ class FleetSim:
             session_id=live.sim.session_id, workload=live.sim.workload, backend_id=live.backend,
             prompt_tokens=len(live.sim.session.prompt_token_ids), output_tokens=sum(map(len, live.outputs)),
             turn_output_tokens=tuple(map(len, live.outputs)), turns=live.turn,
-            tool_wait_s=live.tool_wait_s, kv_token_seconds=live.kv_token_seconds,
+            tool_wait_s=live.tool_wait_s,
+            kv_token_seconds=kv_token_seconds(live.kv_turns, live.kv_waits),
             admitted_at=live.admitted_at, finished_at=self.now, truncated=live.truncated,
         ))
         self._dirty = True
@@ -385,6 +392,7 @@ class FleetSim:
             seen[s.session_id] = now
 
     def _release(self, live: _Live) -> None:
+        self.ledger[live.backend].release(live.sim.session_id)
         self.resident[live.backend].pop(live.sim.session_id, None)
         self._progress[live.backend].pop(live.sim.session_id, None)
         self._dirty = True

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from broker.heartbeat import SessionProgress
+from broker.policies.base import kv_token_seconds
 from broker.session import Session, SessionResult, SessionState
 from broker.worker_link import CompletionStats
 from workers.tools import (
@@ -159,7 +160,8 @@ class SessionRunner:
         engine's."""
         progress = progress or Progress(session.session_id)
         turns: list[Turn] = []
-        tool_wait = kv_seconds = 0.0
+        tool_wait = 0.0
+        waits: list[tuple[int, float]] = []  # (history tokens, seconds) while a tool ran
         prompt_tokens = 0
         reward: float | None = None
         error: str | None = None
@@ -186,7 +188,6 @@ class SessionRunner:
                 history = prompt_ids + rec.output_token_ids
                 progress.generated_tokens += len(rec.output_token_ids)
                 progress.context_tokens = len(history)
-                kv_seconds += len(history) * rec.wall_s
                 truncated = rec.finish_reason == "length"
                 if turn + 1 >= session.max_turns:
                     break
@@ -200,7 +201,7 @@ class SessionRunner:
                     time_scale=self.settings.time_scale))
                 waited = time.monotonic() - t0
                 tool_wait += waited
-                kv_seconds += len(history) * waited
+                waits.append((len(history), waited))
                 progress.waiting_on_tool = False
                 if outcome.done:
                     break
@@ -230,6 +231,8 @@ class SessionRunner:
             cached_tokens=sum(t.cached_tokens for t in turns),
             output_token_ids=[t.output_token_ids for t in turns], reward=reward, error=error,
             policy_version=session.policy_version)
+        kv_seconds = kv_token_seconds(
+            [(t.prompt_tokens, len(t.output_token_ids), t.wall_s) for t in turns], waits)
         stats = CompletionStats(turn_output_tokens=[len(t.output_token_ids) for t in turns],
                                 tool_wait_s=tool_wait, kv_token_seconds=kv_seconds,
                                 truncated=truncated)

@@ -2,10 +2,12 @@
 -- KEYS[1] = rb:{ns}:lease   KEYS[2] = rb:{ns}:session:<sid>
 -- KEYS[3] = rb:{ns}:ledger:<b>   KEYS[4] = rb:{ns}:ledger:<b>:sessions
 -- ARGV[1] = lease token   ARGV[2] = sid   ARGV[3] = backend id   ARGV[4] = new reservation
+-- ARGV[5] = '1' to enforce the limit (admission policies), '0' not (router baselines)
 -- Returns 'ok', 'lease', 'stale' (not resident on this backend), 'bad_charge', or
 -- 'no_capacity' (an increase that would pass alpha * capacity; nothing changes).
--- Invariant: a decrease always applies; an increase never takes reserved above
--- floor(alpha * capacity); reserved stays the exact sum of per-session reservations.
+-- Invariant (the rule of broker/decision.py): a decrease always applies; with the limit
+-- enforced an increase never takes reserved above floor(alpha * capacity); reserved stays the
+-- exact sum of per-session reservations.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 'lease'
 end
@@ -20,7 +22,8 @@ if new == nil or new < 0 or new ~= math.floor(new) then
 end
 local led = redis.call('HMGET', KEYS[3], 'capacity', 'alpha', 'reserved')
 local reserved = tonumber(led[3] or '0')
-if new > old and reserved - old + new > math.floor(tonumber(led[2] or '1') * tonumber(led[1])) then
+if ARGV[5] ~= '0' and new > old
+    and reserved - old + new > math.floor(tonumber(led[2] or '1') * tonumber(led[1])) then
   return 'no_capacity'
 end
 redis.call('HSET', KEYS[4], ARGV[2], new)

@@ -9,7 +9,7 @@ have no field here, by construction.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import ClassVar
@@ -149,6 +149,19 @@ class Policy(ABC):
     @abstractmethod
     def decide(self, snapshot: Snapshot) -> Decision:
         """Return admissions for some pending items. Never admit an item twice."""
+
+
+def kv_token_seconds(turns: Iterable[tuple[int, int, float]],
+                     waits: Iterable[tuple[int, float]] = ()) -> float:
+    """∫ resident KV tokens dt over a session's residency: the one definition the simulator,
+    the worker and MISA-T's prior share (`Completion.kv_token_seconds`).
+
+    `turns`: (prompt tokens, output tokens, seconds from the request's submission to its last
+    token) — the context grows linearly from the prompt to prompt + output over the turn.
+    `waits`: (history tokens, seconds) between turns, while a tool runs — the whole history
+    stays resident."""
+    return (sum(p * s + o * s / 2.0 for p, o, s in turns)
+            + sum(h * s for h, s in waits))
 
 
 def default_reservation(item: PendingItem) -> int:

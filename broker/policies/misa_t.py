@@ -90,11 +90,6 @@ class MisaTConfig:
     # time per recomputed token and per (query, key) pair of that recompute.
     prefill_s_per_token: float = 15e-6
     prefill_s_per_pair: float = 2.6e-9
-    # Horizon guard: admit to b only while Σ_s min(charge_s, context_s + r_b·H) + new
-    # ≤ horizon_safety·C_b, i.e. nothing there can be preempted within H seconds even if no
-    # session finishes. r_b is the per-session decode rate seen in b's heartbeats. 0 disables.
-    horizon_s: float = 0.0
-    horizon_safety: float = 0.95
     aimd: AimdParams = field(default_factory=AimdParams)
     predictors: PredictorParams = field(default_factory=PredictorParams)
 
@@ -110,8 +105,6 @@ class _Track:
     checked_parked: bool = False  # waiting_on_tool then
     checked_at: float = 0.0  # heartbeat time then
     peak_context: int = 0  # largest context seen in a heartbeat (a multi-turn session's KV peak)
-    hb_gen: int = -1  # generated_tokens at the last heartbeat seen (decode rate)
-    hb_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -121,14 +114,6 @@ class _Backend:
     view: BackendView
     limit: float  # α_b·C_b
     reserved: float
-    proj: float = 0.0  # Σ_s min(charge_s, context_s + r_b·H), plus admissions since
-    proj_limit: float = float("inf")  # horizon_safety·C_b
-    growth: float = 0.0  # r_b·H: tokens one running session may add within the horizon
-
-    def need(self, charge: float, prompt: float) -> float:
-        """What a new placement adds to the horizon projection."""
-        grown = prompt + self.growth
-        return charge if charge < grown else grown
 
     @property
     def headroom(self) -> float:
@@ -147,12 +132,10 @@ class MisaT(Policy):
         self._tracks: dict[str, _Track] = {}
         self._last_hb: dict[str, Telemetry] = {}
         self._calm_since: dict[str, float] = {}
-        self._max_len = 1 << 30  # smallest max_model_len seen: no context exceeds it  # per backend: last preemption or back-off
-        self._proj: dict[str, float] = {}  # per backend: horizon projection (see _Backend.proj)
-        self._rate: dict[str, float] = {}  # per backend: decode tok/s of one running session
+        self._max_len = 1 << 30  # smallest max_model_len seen: no context exceeds it
         self._keys: dict[str, PrefixKey] = {}  # prefix keys of pending items, by session (or group)
 
-    # -- predictions (the oracle overrides these two) ------------------------------------
+    # -- predictions (misa_t-true-lengths overrides these two) ------------------------------------
     def admission_output(self, s: PendingItem | ResidentSession) -> float:
         """Output tokens to charge for the turn `s` starts next: a new placement's first (or
         current) turn, or a parked session's next one."""
@@ -178,9 +161,6 @@ class MisaT(Policy):
         backends, used = self._account(snapshot, decision)
         if backends:
             self._admit(snapshot, backends, used, decision)
-            if self.config.horizon_s > 0:
-                for b in backends:
-                    self._proj[b.view.backend_id] = b.proj
         return decision
 
     def _model(self, workload: str, max_tokens: int, max_turns: int) -> WorkloadModel:
@@ -202,7 +182,6 @@ class MisaT(Policy):
         self, snapshot: Snapshot, decision: Decision
     ) -> tuple[list[_Backend], dict[str, float]]:
         """Re-charge, adapt α; return the healthy backends and the KV charged per workload."""
-        cfg = self.config
         used: dict[str, float] = {}
         work_pending = any(snapshot.pending.values())
         present = set()
@@ -212,82 +191,56 @@ class MisaT(Policy):
             present.add(b)
             self.prefix.sync_backend(b, view.capacity_tokens)
             self._max_len = min(self._max_len, view.max_model_len)
-            # A restarted broker resumes from the ledger's α; without AIMD α is a constant.
-            if not cfg.adaptive_admission:
-                first = 1.0  # the ledger's own meaning: reservations may reach C_b
-            else:
-                first = view.alpha if view.alpha > 0 else cfg.aimd.alpha_init
-            alpha = self.alpha.setdefault(b, first)
-            reserved = 0.0
-            calm_since = self._calm_since.setdefault(b, snapshot.now)
             hb = view.telemetry
             fresh = hb is not None and (b not in self._last_hb or hb.at > self._last_hb[b].at)
-            recharge = fresh and cfg.residency_accounting
-            horizon = cfg.horizon_s > 0
-            project = horizon and fresh
-            if project:
-                rate = self._rate.get(b, cfg.predictors.prior_decode_tok_s)
-                growth = rate * cfg.horizon_s
-                proj = 0.0
-                d_gen = 0
-                d_t = 0.0
-                tracks = self._tracks
-                at = hb.at
-            for s in view.sessions:
-                charge = (
-                    self._recharge(s, view, snapshot.now, decision)
-                    if recharge
-                    else s.reserved_tokens
-                )
-                reserved += charge
-                used[s.workload] = used.get(s.workload, 0.0) + charge
-                if project:
-                    ctx = s.context_tokens + growth
-                    proj += charge if charge < ctx else ctx
-                    if not s.waiting_on_tool:
-                        track = tracks.get(s.session_id)
-                        if track is not None:
-                            if track.hb_gen >= 0 and s.generated_tokens > track.hb_gen:
-                                d_gen += s.generated_tokens - track.hb_gen
-                                d_t += at - track.hb_at
-                            track.hb_gen, track.hb_at = s.generated_tokens, at
-            if project:
-                if d_t > 0:
-                    rate += 0.3 * (d_gen / d_t - rate)
-                    self._rate[b] = rate
-                self._proj[b] = proj
-            if fresh:
-                if cfg.adaptive_admission:
-                    before = self._last_hb.get(b)
-                    alpha = cfg.aimd.step(
-                        alpha,
-                        hb,
-                        before,
-                        work_pending=work_pending,
-                        reserved=reserved,
-                        capacity=view.capacity_tokens,
-                        calm_for=hb.at - calm_since,
-                    )
-                    if cfg.aimd.backed_off(hb, before):
-                        self._calm_since[b] = hb.at
-                self._last_hb[b] = hb
-            self.alpha[b] = alpha
+            reserved = self._charge_residents(view, snapshot.now, fresh, used, decision)
+            alpha = self._adapt_alpha(view, fresh, work_pending, reserved, snapshot.now)
             if abs(view.alpha - alpha) > 1e-9:
                 decision.alpha[b] = alpha
             if view.healthy:
-                be = _Backend(view, alpha * view.capacity_tokens, reserved)
-                if horizon:
-                    be.proj = self._proj.get(b, reserved)
-                    be.proj_limit = cfg.horizon_safety * view.capacity_tokens
-                    be.growth = self._rate.get(b, cfg.predictors.prior_decode_tok_s) * cfg.horizon_s
-                out.append(be)
+                out.append(_Backend(view, alpha * view.capacity_tokens, reserved))
         for b in self.prefix.backends():
             if b not in present:
                 self.prefix.drop_backend(b)
                 self._last_hb.pop(b, None)
-                self._proj.pop(b, None)
-                self._rate.pop(b, None)
         return out, used
+
+    def _charge_residents(self, view: BackendView, now: float, fresh: bool,
+                          used: dict[str, float], decision: Decision) -> float:
+        """Each resident session's charge (re-charged on a fresh heartbeat when residency
+        accounting is on), summed into `used` per workload; returns the backend's total."""
+        recharge = fresh and self.config.residency_accounting
+        reserved = 0.0
+        for s in view.sessions:
+            charge = self._recharge(s, view, now, decision) if recharge else s.reserved_tokens
+            reserved += charge
+            used[s.workload] = used.get(s.workload, 0.0) + charge
+        return reserved
+
+    def _adapt_alpha(self, view: BackendView, fresh: bool, work_pending: bool,
+                     reserved: float, now: float) -> float:
+        """α_b after this heartbeat (AIMD on the engine's own signals when it is fresh)."""
+        cfg = self.config
+        b = view.backend_id
+        # A restarted broker resumes from the ledger's α; without AIMD α is a constant.
+        if not cfg.adaptive_admission:
+            first = 1.0  # the ledger's own meaning: reservations may reach C_b
+        else:
+            first = view.alpha if view.alpha > 0 else cfg.aimd.alpha_init
+        alpha = self.alpha.setdefault(b, first)
+        calm_since = self._calm_since.setdefault(b, now)
+        hb = view.telemetry
+        if fresh:
+            if cfg.adaptive_admission:
+                before = self._last_hb.get(b)
+                alpha = cfg.aimd.step(alpha, hb, before, work_pending=work_pending,
+                                      reserved=reserved, capacity=view.capacity_tokens,
+                                      calm_for=hb.at - calm_since)
+                if cfg.aimd.backed_off(hb, before):
+                    self._calm_since[b] = hb.at
+            self._last_hb[b] = hb
+        self.alpha[b] = alpha
+        return alpha
 
     def _recharge(
         self, s: ResidentSession, view: BackendView, now: float, decision: Decision
@@ -514,7 +467,7 @@ class MisaT(Policy):
         charges = [self._charge(it) for it in group]
         key = self._key(head) if self.config.prefix_placement else None
         if len(group) > 1:
-            target, hit = self._choose(backends, sum(charges), key, sum(it.prompt_tokens for it in group))
+            target, hit = self._choose(backends, sum(charges), key)
             if target is not None:
                 for it, ch in zip(group, charges):
                     self._place(it, target, ch, decision, key, hit)
@@ -522,7 +475,7 @@ class MisaT(Policy):
                 return len(group), sum(charges), charges[0]
         taken, charged = 0, 0.0
         for it, ch in zip(group, charges):
-            target, hit = self._choose(backends, ch, key, it.prompt_tokens)
+            target, hit = self._choose(backends, ch, key)
             if target is None:
                 break
             self._place(it, target, ch, decision, key, hit)
@@ -540,21 +493,16 @@ class MisaT(Policy):
         return key
 
     def _choose(
-        self, backends: list[_Backend], charge: float, key: PrefixKey | None, prompt: float = 0.0
+        self, backends: list[_Backend], charge: float, key: PrefixKey | None
     ) -> tuple[_Backend | None, int]:
-        """The backend for `charge` tokens (`prompt` of them prefilled now), and how much of
-        `key` it probably caches."""
-        # A backend fits while its reservations stay within α·C and its horizon projection plus
-        # `need(charge, prompt)` within `proj_limit`; one pass with `need` inlined, because this
-        # runs for every admission.
+        """The backend for `charge` tokens, and how much of `key` it probably caches."""
+        # A backend fits while its reservations stay within α·C; one pass, because this runs
+        # for every admission.
         fits = []
         roomiest, most = None, -1.0
         for b in backends:
             headroom = b.limit - b.reserved
             if headroom < charge:
-                continue
-            grown = prompt + b.growth
-            if b.proj + (charge if charge < grown else grown) > b.proj_limit:
                 continue
             fits.append(b)
             if headroom > most:
@@ -581,7 +529,6 @@ class MisaT(Policy):
         """Admit `item` to `target`; `hit` tokens of its prompt are probably cached there."""
         b = target.view.backend_id
         target.reserved += charge
-        target.proj += target.need(charge, item.prompt_tokens)
         decision.admissions.append(Admission(item.session_id, b, int(charge)))
         if item.turn == 0:  # each session's prompt counts once, when it is placed
             self.models[item.workload].note_prompt(item.prompt_tokens)

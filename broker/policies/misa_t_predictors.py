@@ -1,8 +1,8 @@
 """MISA-T's online predictors: what a real broker can learn from completions and heartbeats.
 
 Everything here is fed only by `Completion` records, heartbeat progress and a session's public
-fields (its caps). Nothing reads a simulator's truth: the oracle swaps the length predictor for
-a lookup it is *given*, and that is the only side channel (see oracle.py).
+fields (its caps). Nothing reads a simulator's truth: misa_t-true-lengths swaps the length
+predictor for a lookup it is *given*, and that is the only side channel (misa_t_true_lengths.py).
 
 - `TailWindow`: the last `size` samples of one quantity, kept sorted, with quantiles and the
   conditional tail the ledger charges by: "a session that has produced x tokens will end at
@@ -20,7 +20,7 @@ from bisect import bisect_right, insort
 from collections import deque
 from dataclasses import dataclass
 
-from broker.policies.base import Completion
+from broker.policies.base import Completion, kv_token_seconds
 
 
 class TailWindow:
@@ -159,17 +159,20 @@ class WorkloadModel:
         return turns * length / self.decode_tok_s + (turns - 1) * self.tool_wait.quantile(0.5)
 
     def kv_seconds_per_session(self) -> float:
-        """K_w: mean KV·token-seconds a session of this workload holds over its residency.
+        """K_w: mean KV·token-seconds a session of this workload holds over its residency
+        (`base.kv_token_seconds`, the definition completions report).
 
-        Before enough completions, a prior from the caps: a stream decoding L tokens at r tok/s
-        after a p-token prompt holds (p·L + L²/2)/r token-seconds per turn; multi-turn sessions
-        hold their growing history across turns and tool waits, counted here as turns × that.
+        Before enough completions, a prior from the caps: turns of L tokens decoded at r tok/s
+        (L/r seconds each) on a history that grows by L per turn from the mean prompt, with
+        the median tool wait between turns.
         """
         if self.kv_seconds.warm:
             return self.kv_seconds.mean()
         length = self.turn_output.quantile(0.5)
-        turns = self.turns.quantile(0.5)
+        turns = max(1, round(self.turns.quantile(0.5)))
         prompt = self.prompt_mean
-        per_turn = (prompt * length + length * length / 2.0) / self.decode_tok_s
-        history = prompt + turns * length
-        return turns * per_turn + (turns - 1) * history * self.tool_wait.quantile(0.5)
+        wait = self.tool_wait.quantile(0.5)
+        return kv_token_seconds(
+            [(round(prompt + k * length), round(length), length / self.decode_tok_s)
+             for k in range(turns)],
+            [(round(prompt + (k + 1) * length), wait) for k in range(turns - 1)])

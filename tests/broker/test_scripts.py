@@ -283,7 +283,7 @@ def test_recharge_keeps_the_limit(world):
 
     def recharge(sid, new):
         return as_text(world.s.recharge(keys=[k.lease, k.session(sid), k.ledger("b0"),
-                                              k.ledger_sessions("b0")], args=[TOKEN, sid, "b0", new]))
+                                              k.ledger_sessions("b0")], args=[TOKEN, sid, "b0", new, "1"]))
     assert recharge("s1", 61) == "no_capacity"
     assert recharge("s1", 60) == "ok"
     assert recharge("s2", 10) == "ok"

@@ -282,3 +282,55 @@ def test_session_progress_reaches_the_policy_with_the_heartbeats_lag():
     sim.policy = Watcher()
     sim.run()
     assert any(seen_behind)  # with a lag, the policy sees progress that has moved on since
+
+
+def test_the_swept_baseline_is_tuned_on_another_seed_over_whole_runs(tmp_path) -> None:
+    from sim.bench_cli import bench
+
+    report = bench(QUICK, ["cache_aware", "cache_aware_swept"], seed=3,
+                   json_out=str(tmp_path / "r.json"), plots_dir=None, jobs=1,
+                   sweep_iterations=None)
+    sweep = report["cache_aware_sweep"]
+    assert sweep["seed"] == 4 and sweep["iterations"] is None  # not the evaluation run
+    points = [p["params"] for p in sweep["points"]]
+    assert {"cache_threshold": 0.3, "balance_abs_threshold": 64,
+            "balance_rel_threshold": 1.5} in points  # the router's defaults are a candidate
+    assert report["policies"]["cache_aware_swept"]["params"] == max(
+        sweep["points"], key=lambda p: p["tokens_per_s"])["params"]
+
+
+def test_no_policy_beats_the_fluid_bound() -> None:
+    from sim.bound import fluid_bound
+
+    scenario, path = tiny(4)
+    bound = fluid_bound(scenario, path)
+    for name in ("least_loaded", "cache_aware", "misa_t"):
+        res = FleetSim(scenario, make_policy(name), make_source(scenario, path)).run()
+        assert res.metrics.tokens_per_s < bound.tokens_per_s, name
+        if res.metrics.steady is not None:
+            assert res.metrics.steady.tokens_per_s < bound.tokens_per_s, name
+
+
+def test_the_bound_follows_the_cost_model() -> None:
+    from sim.bound import fluid_bound
+
+    scenario, path = tiny(4)
+    base = fluid_bound(scenario, path)
+    more = fluid_bound(scenario.model_copy(update={"fleet": scenario.fleet.model_copy(
+        update={"engines": scenario.fleet.engines * 2})}), path)
+    assert more.tokens_per_s > base.tokens_per_s
+    assert base.limited_by in ("kv", "max_num_seqs", "inflight_bound")
+
+
+def test_a_scenario_whose_turns_the_context_cap_cuts_says_so() -> None:
+    from sim.scenario_checks import scenario_warnings
+
+    data = yaml.safe_load(open(QUICK))
+    agentic = data["workloads"]["agentic"]
+    agentic.update({"max_turns": 60, "turns": {"median": 40, "sigma": 0.3}})
+    cut = parse_scenario(data, origin="long-episodes")
+    [warning] = [w for w in scenario_warnings(cut, QUICK) if ".turns:" in w]
+    assert warning.startswith("workloads.agentic.turns: episodes get") and "ends them first" in warning
+    agentic.update({"max_turns": 3, "min_turns": 2, "turns": {"median": 2, "sigma": 0.1}})
+    assert not [w for w in scenario_warnings(parse_scenario(data, origin="short"), QUICK)
+                if ".turns:" in w]

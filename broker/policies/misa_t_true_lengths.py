@@ -1,11 +1,13 @@
-"""oracle: MISA-T with its output-length predictor replaced by the true lengths — an UPPER
-REFERENCE, not a policy anyone can deploy.
+"""misa_t-true-lengths: MISA-T with its output-length predictor replaced by the true lengths.
 
-Everything else (accounting, AIMD α, workload shares, placement) is MISA-T's own code; the only
-difference is where an output length comes from. The bench passes `true_output_lengths`, a
-function session_id → true per-turn output lengths, and that function is the oracle's only
-side channel: it still sees the world through `Snapshot` like any other policy. Tool waits,
-observations and turn counts stay predicted.
+A reference, not a policy anyone can deploy, and not an upper bound either: it answers "what
+would MISA-T's machinery do with perfect length predictions", which is not the best any policy
+can do (it lost to `misa_t` on paper-mixed; the bench's fluid bound, `sim/bound.py`, is the
+ceiling). Everything else (accounting, AIMD α, workload shares, placement) is MISA-T's own code;
+the only difference is where an output length comes from. The bench passes
+`true_output_lengths`, a function session_id → true per-turn output lengths, and that function
+is its only side channel: it still sees the world through `Snapshot` like any other policy.
+Tool waits, observations and turn counts stay predicted.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from broker.policies.misa_t import MisaT
 
 
 @register
-class Oracle(MisaT):
-    name = "oracle"
+class MisaTTrueLengths(MisaT):
+    name = "misa_t-true-lengths"
 
     def __init__(
         self, true_output_lengths: Callable[[str], tuple[int, ...]], **params: Any
