@@ -66,22 +66,44 @@ def broker(
 
 @app.command("bench")
 def bench(
-    scenario: Annotated[str, typer.Option(help="scenario YAML (see scenarios/)")],
+    scenario: Annotated[Optional[str], typer.Option(help="scenario YAML (see scenarios/)")] = None,
+    family: Annotated[Optional[str], typer.Option(help="scenario family YAML: run --samples scenarios drawn from it")] = None,
+    samples: Annotated[int, typer.Option(help="--family: how many scenarios to draw")] = 40,
+    sweep: Annotated[Optional[str], typer.Option(help="with --scenario: KEY=V1,V2,... runs the scenario at each value of one field, e.g. trainer.inflight_bound=128,256,512")] = None,
     policies: Annotated[str, typer.Option(help="comma-separated policy names")] = "round_robin,least_loaded,power_of_two,cache_aware,misa_t",
-    seed: Annotated[Optional[int], typer.Option(help="override the scenario's seed")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="override the scenario's seed (--family: the draw's seed, default 0)")] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="write every metric per policy here")] = None,
     plots: Annotated[Optional[str], typer.Option(help="write PNG plots into this directory")] = None,
-    jobs: Annotated[int, typer.Option(help="policies simulated in parallel processes")] = 1,
+    jobs: Annotated[int, typer.Option(help="simulations in parallel processes")] = 1,
     sweep_iterations: Annotated[Optional[int], typer.Option(help="iterations per cache_aware_swept grid point (default: whole runs, on the evaluation seed + 1)")] = None,
 ) -> None:
-    """Simulate policies side by side on a scenario and compare them (docs/misa-t.md)."""
+    """Simulate policies side by side on a scenario (or a family of them) and compare them (docs/misa-t.md)."""
+    from rich.console import Console
+
     from sim.bench_cli import bench as run_bench
     from sim.bench_cli import parse_policies
+    from sim.bench_family import bench_family, bench_sweep
     from sim.fleet import SimulationError
     from sim.scenario import ScenarioError
 
     try:
-        run_bench(scenario, parse_policies(policies), seed, json_out, plots, jobs, sweep_iterations)
+        if (scenario is None) == (family is None):
+            raise ValueError("scenario: give exactly one of --scenario and --family")
+        if jobs < 1:
+            raise ValueError(f"jobs: {jobs} must be at least 1")
+        if samples < 1:
+            raise ValueError(f"samples: {samples} must be at least 1")
+        if sweep is not None and scenario is None:
+            raise ValueError("sweep: needs --scenario (one scenario over a parameter)")
+        names = parse_policies(policies)
+        console = Console(stderr=True, width=230) if not Console(stderr=True).is_terminal \
+            else Console(stderr=True)
+        if family is not None:
+            bench_family(family, samples, seed or 0, names, json_out, plots, jobs, console)
+        elif sweep is not None:
+            bench_sweep(scenario, sweep, names, json_out, plots, jobs, console)
+        else:
+            run_bench(scenario, names, seed, json_out, plots, jobs, sweep_iterations)
     except (ScenarioError, SimulationError, ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

@@ -1,0 +1,318 @@
+"""`rollout-broker bench --family` and `--sweep`: many scenarios, or one scenario over a parameter.
+
+`--family FILE --samples N --seed S`: draws N scenarios from the family (`sim/family.py`), runs
+every policy on each (and `cache_aware_swept`'s grid on each under its sweep seed), and reports
+per scenario each policy's throughput as a multiple of the best router baseline of that
+scenario, whole run and steady state, and as a share of the scenario's fluid bound; then, per
+policy, the minimum and the geometric mean of those ratios over the family.
+
+`--sweep KEY=V1,V2,...` (with `--scenario`): the scenario with one field set to each value in
+turn (a dotted path into the scenario, e.g. `trainer.inflight_bound=128,256,512`), every
+policy at each, and each policy's throughput against the value.
+
+Every simulation is an independent process task (`--jobs`); scenarios are written as YAML into
+a temporary directory so a task is (scenario file, policy) like any bench run.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from broker.policies.cache_aware import cache_aware_grid
+from sim.bench import BASELINES, SWEPT, RunSpec, check_policies, result_json, run_one, sweep_seed, write_json
+from sim.bound import fluid_bound
+from sim.family import describe, load_family, sample_family
+from sim.fleet import FleetResult
+from sim.scenario import Scenario, load_scenario, parse_scenario
+from sim.scenario_checks import scenario_warnings
+
+Task = tuple[str, int | None, RunSpec]
+
+
+def _run(task: Task) -> FleetResult:
+    return run_one(*task)
+
+
+def run_tasks(tasks: Sequence[Task], jobs: int,
+              on_done: Callable[[int], None] | None = None) -> list[FleetResult]:
+    """Every (scenario file, seed, spec), in parallel processes when jobs > 1; in order."""
+    if jobs <= 1:
+        out = []
+        for i, t in enumerate(tasks):
+            out.append(_run(t))
+            if on_done:
+                on_done(i)
+        return out
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(_run, t) for t in tasks]
+        out = []
+        for i, f in enumerate(futures):
+            out.append(f.result())
+            if on_done:
+                on_done(i)
+        return out
+
+
+def _write(scenario: Scenario, directory: Path) -> str:
+    path = directory / f"{scenario.name}.yaml"
+    path.write_text(yaml.safe_dump(scenario.model_dump(mode="json"), sort_keys=False))
+    return str(path)
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, transient=False)
+
+
+def run_scenarios(paths: Sequence[str], policies: Sequence[str], jobs: int,
+                  console: Console) -> tuple[list[dict[str, FleetResult]], list[dict[str, dict]]]:
+    """Every policy on every scenario file: per scenario, results and params by policy."""
+    params: list[dict[str, dict]] = [{} for _ in paths]
+    with _progress(console) as progress:
+        if SWEPT in policies:
+            grid = cache_aware_grid()
+            seeds = [sweep_seed(load_scenario(p).seed) for p in paths]
+            tasks = [(p, s, RunSpec("cache_aware", tuple(sorted(g.items()))))
+                     for p, s in zip(paths, seeds) for g in grid]
+            bar = progress.add_task(f"{SWEPT}: {len(grid)} points × {len(paths)} scenarios, "
+                                    "sweep seeds", total=len(tasks))
+            swept = run_tasks(tasks, jobs, lambda i: progress.advance(bar))
+            for i in range(len(paths)):
+                points = swept[i * len(grid):(i + 1) * len(grid)]
+                best = max(range(len(grid)), key=lambda j: points[j].metrics.tokens_per_s)
+                params[i][SWEPT] = grid[best]
+        tasks = []
+        for i, p in enumerate(paths):
+            for name in policies:
+                spec = (RunSpec("cache_aware", tuple(sorted(params[i][SWEPT].items())))
+                        if name == SWEPT else RunSpec(name))
+                params[i].setdefault(name, {})
+                tasks.append((p, None, spec))
+        bar = progress.add_task(f"{len(policies)} policies × {len(paths)} scenarios",
+                                total=len(tasks))
+        flat = run_tasks(tasks, jobs, lambda i: progress.advance(bar))
+    results = [dict(zip(policies, flat[i * len(policies):(i + 1) * len(policies)]))
+               for i in range(len(paths))]
+    return results, params
+
+
+def ratios(results: dict[str, FleetResult], bound: float) -> dict[str, dict[str, float | None]]:
+    """Per policy: throughput / the best router baseline's (whole run, steady state), and
+    throughput / the fluid bound."""
+    base = [r.metrics for n, r in results.items() if n in BASELINES]
+    best = max((m.tokens_per_s for m in base), default=None)
+    best_steady = max((m.steady.tokens_per_s for m in base if m.steady is not None),
+                      default=None)
+    out = {}
+    for name, r in results.items():
+        m = r.metrics
+        out[name] = {
+            "x_best": m.tokens_per_s / best if best else None,
+            "x_best_steady": (m.steady.tokens_per_s / best_steady
+                              if m.steady is not None and best_steady else None),
+            "of_bound": m.tokens_per_s / bound,
+        }
+    return out
+
+
+def geomean(xs: Sequence[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def bench_family(family_path: str, samples: int, seed: int, policies: list[str],
+                 json_out: str | None, plots_dir: str | None, jobs: int,
+                 console: Console) -> dict[str, Any]:
+    check_policies(policies)
+    spec = load_family(family_path)
+    scenarios = sample_family(spec, family_path, samples, seed)
+    with tempfile.TemporaryDirectory(prefix="rb-family-") as tmp:
+        paths = [_write(s, Path(tmp)) for s in scenarios]
+        bounds = [fluid_bound(s, p) for s, p in zip(scenarios, paths)]
+        warnings = [scenario_warnings(s, p) for s, p in zip(scenarios, paths)]
+        results, params = run_scenarios(paths, policies, jobs, console)
+    rows = [ratios(r, b.tokens_per_s) for r, b in zip(results, bounds)]
+    report = {
+        "family": spec.name, "family_file": family_path, "samples": samples, "seed": seed,
+        "scenarios": [{
+            "name": s.name, "describe": describe(s), "parameters": s.model_dump(mode="json"),
+            "bound": asdict(b), "scenario_warnings": w, "ratios": row,
+            "policies": {n: result_json(res[n], params_i[n]) for n in policies},
+        } for s, b, w, row, res, params_i in zip(scenarios, bounds, warnings, rows, results,
+                                                  params)],
+        "summary": summarize_family(rows, policies),
+    }
+    print_family(console, report, policies)
+    if json_out:
+        write_json(json_out, report)
+        console.print(f"wrote {json_out}")
+    if plots_dir:
+        for p in plot_family(report, policies, plots_dir):
+            console.print(f"wrote {p}")
+    return report
+
+
+def summarize_family(rows: Sequence[dict[str, dict[str, float | None]]],
+                     policies: Sequence[str]) -> dict[str, dict[str, float | int | None]]:
+    out = {}
+    for name in policies:
+        whole = [r[name]["x_best"] for r in rows if r[name]["x_best"]]
+        steady = [r[name]["x_best_steady"] for r in rows if r[name]["x_best_steady"]]
+        bound = [r[name]["of_bound"] for r in rows]
+        out[name] = {
+            "min_x_best": min(whole, default=None),
+            "geomean_x_best": geomean(whole) if whole else None,
+            "min_x_best_steady": min(steady, default=None),
+            "geomean_x_best_steady": geomean(steady) if steady else None,
+            "wins": sum(1 for x in whole if x > 1.0),
+            "scenarios": len(whole),
+            "mean_of_bound": sum(bound) / len(bound) if bound else None,
+        }
+    return out
+
+
+def _f(x: float | None, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def print_family(console: Console, report: dict[str, Any], policies: Sequence[str]) -> None:
+    t = Table(title=f"{report['family']}: {report['samples']} scenarios (seed {report['seed']}), "
+                    "throughput × the best router baseline (whole run / steady state)")
+    t.add_column("scenario", no_wrap=True)
+    for n in policies:
+        t.add_column(n, justify="right")
+    for sc in report["scenarios"]:
+        cells = [f"{_f(sc['ratios'][n]['x_best'])}/{_f(sc['ratios'][n]['x_best_steady'])}"
+                 for n in policies]
+        t.add_row(sc["name"], *cells)
+    console.print(t)
+    s = Table(title="over the family")
+    for col in ("policy", "min ×best", "geomean ×best", "min ×best steady",
+                "geomean ×best steady", "wins", "mean % of bound"):
+        s.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "policy")
+    for n in policies:
+        m = report["summary"][n]
+        s.add_row(n, _f(m["min_x_best"]), _f(m["geomean_x_best"]), _f(m["min_x_best_steady"]),
+                  _f(m["geomean_x_best_steady"]), f"{m['wins']}/{m['scenarios']}",
+                  _f(100 * m["mean_of_bound"] if m["mean_of_bound"] is not None else None, ".0f"))
+    console.print(s)
+    for sc in report["scenarios"]:
+        console.print(f"{sc['name']}: {sc['describe']}; bound {sc['bound']['tokens_per_s']:,.0f} tok/s")
+
+
+def plot_family(report: dict[str, Any], policies: Sequence[str], out_dir: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(policies)), 4.5))
+    for i, n in enumerate(policies):
+        ys = [sc["ratios"][n]["x_best"] for sc in report["scenarios"] if sc["ratios"][n]["x_best"]]
+        ax.scatter([i + (j % 7 - 3) * 0.04 for j in range(len(ys))], ys, s=12, alpha=0.7)
+        if ys:
+            ax.hlines(geomean(ys), i - 0.3, i + 0.3, color="black", linewidth=1.5)
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(policies)), policies, rotation=30, ha="right", fontsize=8)
+    ax.set(ylabel="tok/s ÷ best router baseline", title=f"{report['family']}: "
+           f"{report['samples']} scenarios (bar: geometric mean)")
+    fig.tight_layout()
+    path = out / "family.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+# -- one scenario over a parameter ----------------------------------------------------------
+
+def parse_sweep(text: str) -> tuple[str, list[Any]]:
+    key, sep, values = text.partition("=")
+    if not sep or not key or not values:
+        raise ValueError(f"sweep: {text!r} must be KEY=V1,V2,... (e.g. trainer.inflight_bound=128,256)")
+    return key, [yaml.safe_load(v) for v in values.split(",") if v.strip()]
+
+
+def with_field(scenario: Scenario, key: str, value: Any) -> Scenario:
+    data = scenario.model_dump(mode="python")
+    node = data
+    parts = key.split(".")
+    for p in parts[:-1]:
+        if not isinstance(node, dict) or p not in node:
+            raise ValueError(f"sweep: {key!r}: no field {p!r} in the scenario")
+        node = node[p]
+    if not isinstance(node, dict) or parts[-1] not in node:
+        raise ValueError(f"sweep: {key!r}: no field {parts[-1]!r} in the scenario")
+    node[parts[-1]] = value
+    data["name"] = f"{scenario.name}-{parts[-1]}-{value}"
+    return parse_scenario(data, origin=f"sweep {key}={value}")
+
+
+def bench_sweep(scenario_path: str, sweep: str, policies: list[str], json_out: str | None,
+                plots_dir: str | None, jobs: int, console: Console) -> dict[str, Any]:
+    check_policies(policies)
+    key, values = parse_sweep(sweep)
+    base = load_scenario(scenario_path)
+    scenarios = [with_field(base, key, v) for v in values]
+    with tempfile.TemporaryDirectory(prefix="rb-sweep-") as tmp:
+        paths = [_write(s, Path(tmp)) for s in scenarios]
+        bounds = [fluid_bound(s, p) for s, p in zip(scenarios, paths)]
+        results, params = run_scenarios(paths, policies, jobs, console)
+    report = {
+        "scenario": base.name, "scenario_file": scenario_path, "key": key, "values": values,
+        "points": [{"value": v, "bound": asdict(b),
+                    "ratios": ratios(r, b.tokens_per_s),
+                    "policies": {n: result_json(r[n], p[n]) for n in policies}}
+                   for v, b, r, p in zip(values, bounds, results, params)],
+    }
+    t = Table(title=f"{base.name}: tok/s (steady) against {key}")
+    t.add_column(key, justify="right")
+    for n in policies:
+        t.add_column(n, justify="right")
+    t.add_column("bound", justify="right")
+    for pt in report["points"]:
+        cells = []
+        for n in policies:
+            m = pt["policies"][n]["metrics"]
+            st = m["steady"]["tokens_per_s"] if m.get("steady") else None
+            cells.append(f"{m['tokens_per_s']:,.0f} ({_f(st, ',.0f')})")
+        t.add_row(str(pt["value"]), *cells, f"{pt['bound']['tokens_per_s']:,.0f}")
+    console.print(t)
+    if json_out:
+        write_json(json_out, report)
+        console.print(f"wrote {json_out}")
+    if plots_dir:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        out = Path(plots_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        xs = list(range(len(values)))
+        for n in policies:
+            ax.plot(xs, [pt["policies"][n]["metrics"]["tokens_per_s"] for pt in report["points"]],
+                    marker="o", label=n, linewidth=1.2)
+        ax.plot(xs, [pt["bound"]["tokens_per_s"] for pt in report["points"]], color="black",
+                linestyle="--", label="fluid bound")
+        ax.set_xticks(xs, [str(v) for v in values])
+        ax.set(xlabel=key, ylabel="generated tokens/s", title=f"{base.name}: throughput vs {key}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / "sweep.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        console.print(f"wrote {path}")
+    return report

@@ -1,0 +1,96 @@
+"""The scenario family: deterministic draws inside the ranges, and the family/sweep benches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from broker.cli import app
+from sim.family import FamilySpec, load_family, sample_family
+from sim.bench_family import parse_sweep, with_field
+from sim.scenario import ScenarioError, load_scenario
+
+FAMILY = "scenarios/family.yaml"
+
+
+def test_the_same_seed_draws_the_same_scenarios_within_the_ranges():
+    spec = load_family(FAMILY)
+    a = sample_family(spec, FAMILY, 20, seed=5)
+    b = sample_family(spec, FAMILY, 20, seed=5)
+    assert [s.model_dump() for s in a] == [s.model_dump() for s in b]
+    assert [s.model_dump() for s in sample_family(spec, FAMILY, 20, seed=6)] != \
+        [s.model_dump() for s in a]
+    loops = set()
+    for s in a:
+        assert spec.engines[0] <= s.fleet.engines <= spec.engines[1]
+        assert s.fleet.profile in spec.profiles
+        assert spec.kv_tokens[0] <= s.fleet.kv_tokens <= spec.kv_tokens[1]
+        assert sum(s.mixture.values()) == pytest.approx(1.0)
+        for w, ws in s.workloads.items():
+            lo, hi = spec.group_size[w]
+            assert lo <= ws.group_size <= hi
+        t = s.trainer
+        loops.add(t.loop if t.loop == "sync" else (t.mode, t.max_staleness))
+        if t.loop == "async":  # long enough for the steady state to turn the buffer over
+            assert t.iterations * t.batch_size >= (spec.turnovers + 1) * t.inflight_bound
+    assert len(loops) >= 3  # the loops vary across the draws
+    assert len({s.seed for s in a}) == 20
+
+
+def test_a_bad_family_names_the_field(tmp_path):
+    bad = tmp_path / "f.yaml"
+    bad.write_text(yaml.safe_dump({"name": "f", "base": "quick.yaml", "profiles": ["h100-8b"],
+                                   "engines": [4, 2]}))
+    with pytest.raises(ScenarioError, match=r"^f.yaml: engines: need 0 < low ≤ high, got \[4, 2\]$"):
+        load_family(bad)
+    assert FamilySpec.model_fields["loops"].default  # every loop by default
+
+
+def test_sweep_sets_one_field():
+    key, values = parse_sweep("trainer.inflight_bound=32,64")
+    assert key == "trainer.inflight_bound" and values == [32, 64]
+    s = with_field(load_scenario("scenarios/quick.yaml"), key, 64)
+    assert s.trainer.inflight_bound == 64
+    with pytest.raises(ValueError, match="no field 'nope'"):
+        with_field(load_scenario("scenarios/quick.yaml"), "trainer.nope", 1)
+    with pytest.raises(ValueError, match="KEY=V1,V2"):
+        parse_sweep("trainer.inflight_bound")
+
+
+def test_family_bench_reports_ratios_min_and_geomean(tmp_path):
+    fam = tmp_path / "tiny.yaml"
+    fam.write_text(yaml.safe_dump({
+        "name": "tiny", "base": str(Path(FAMILY).resolve().parent / "quick.yaml"),
+        "engines": [2, 3], "profiles": ["h100-8b"], "kv_tokens": [40000, 60000],
+        "group_size": {"rlvr": [1, 4], "rlhf": [1, 2], "agentic": [1, 2]},
+        "turns_median": [2, 3], "inflight_per_engine": [4, 8], "batch_size": [8, 16],
+        "turnovers": 1, "sync_steps": 2, "loops": ["sync", "async-fifo"]}))
+    out = tmp_path / "fam.json"
+    res = CliRunner().invoke(app, ["bench", "--family", str(fam), "--samples", "2", "--seed", "1",
+                                   "--policies", "least_loaded,cache_aware,misa_t",
+                                   "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert len(report["scenarios"]) == 2
+    for sc in report["scenarios"]:
+        best = max(sc["ratios"][n]["x_best"] for n in ("least_loaded", "cache_aware"))
+        assert best == pytest.approx(1.0)  # ratios are to the best baseline of the scenario
+        assert all(0 < sc["ratios"][n]["of_bound"] < 1 for n in sc["ratios"])
+    s = report["summary"]["misa_t"]
+    xs = [sc["ratios"]["misa_t"]["x_best"] for sc in report["scenarios"]]
+    assert s["min_x_best"] == min(xs)
+    assert s["geomean_x_best"] == pytest.approx((xs[0] * xs[1]) ** 0.5)
+
+
+def test_bench_options_are_checked_before_anything_runs():
+    runner = CliRunner()
+    res = runner.invoke(app, ["bench", "--policies", "misa_t"])
+    assert res.exit_code == 2 and "give exactly one of --scenario and --family" in res.output
+    res = runner.invoke(app, ["bench", "--scenario", "scenarios/quick.yaml", "--jobs", "0"])
+    assert res.exit_code == 2 and "jobs: 0 must be at least 1" in res.output
+    res = runner.invoke(app, ["bench", "--family", FAMILY, "--sweep", "trainer.inflight_bound=1"])
+    assert res.exit_code == 2 and "sweep: needs --scenario" in res.output
