@@ -13,11 +13,13 @@ at once:
 
 With the step-time model of `sim/engine/profiles.py`, one output token then costs an engine
 
-    τ = t0/S + t_seq + a + b·C̄ + (a·U + c·P)/O
+    τ = t0/S + t_seq + L(S)/S + b·C̄ + (a·U + c·P)/O
 
-seconds, where C̄ is the token-weighted mean context a decode step reads, O the output tokens,
-U the prefill tokens and P the prefill (query, key) pairs of the sampled sessions. The bound is
-engines/τ generated tokens per second, the same unit as the bench's tok/s.
+seconds, where L is the linear-layer time of a step (a·N for a dense model; for a mixture of
+experts also the expert weights a step streams), C̄ the token-weighted mean context a decode
+step reads, O the output tokens, U the prefill tokens and P the prefill (query, key) pairs of
+the sampled sessions (prefill runs in full chunks, where L(N) ≈ a·N). The bound is engines/τ
+generated tokens per second, the same unit as the bench's tok/s.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ def fluid_bound(scenario: Scenario, scenario_path: str | Path, samples: int = 2_
     sessions = sample_sessions(scenario, scenario_path, samples)
     if not sessions:
         raise ValueError("bound: the scenario yields no sessions")
-    profile = get_profile(scenario.fleet.profile).with_kv_tokens(scenario.fleet.kv_tokens)
+    profile = (get_profile(scenario.fleet.profile).with_kv_tokens(scenario.fleet.kv_tokens)
+               .with_limits(scenario.fleet.max_num_seqs, scenario.fleet.max_num_batched_tokens))
     outputs = 0
     ctx_weight = 0.0  # Σ over output tokens of the context the step that made it read
     obs_tokens = 0
@@ -113,7 +116,8 @@ def fluid_bound(scenario: Scenario, scenario_path: str | Path, samples: int = 2_
     seqs = max(1.0, caps[limited_by])
     p = profile
     prefill_tokens = prompt_tokens + obs_tokens
-    tau = (p.t0 / seqs + p.t_seq + p.a + p.b * mean_ctx
+    batch = max(1, int(seqs))
+    tau = (p.t0 / seqs + p.t_seq + p.linear_time(batch) / batch + p.b * mean_ctx
            + (p.a * prefill_tokens + p.c * (prompt_pairs + obs_pairs)) / outputs)
     return FluidBound(tokens_per_s=scenario.fleet.engines / tau, seqs_per_engine=seqs,
                       limited_by=limited_by, mean_context=mean_ctx,

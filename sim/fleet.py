@@ -110,7 +110,8 @@ class FleetSim:
         self.lag_s = scenario.telemetry.lag_s
         self.on_iteration = on_iteration
         try:
-            profile = get_profile(scenario.fleet.profile)
+            profile = get_profile(scenario.fleet.profile).with_limits(
+                scenario.fleet.max_num_seqs, scenario.fleet.max_num_batched_tokens)
         except ValueError as e:
             raise SimulationError(f"fleet.{e}") from None
         if scenario.vocab_size > profile.vocab_size:

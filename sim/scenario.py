@@ -151,6 +151,10 @@ class FleetSpec(BaseModel):
     # Resolved by the engine model (sim/engine); only its shape is checked here.
     profile: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9.\-]{0,63}$")]
     kv_tokens: PosInt | None = None  # override the profile's KV capacity (tokens per engine)
+    # Override the profile's scheduler limits (vLLM's defaults for the GPU class), as a
+    # deployment that passes --max-num-seqs / --max-num-batched-tokens does.
+    max_num_seqs: PosInt | None = None
+    max_num_batched_tokens: PosInt | None = None
 
 
 class TrainerSpec(BaseModel):

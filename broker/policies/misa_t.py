@@ -86,10 +86,10 @@ class MisaTConfig:
     # at ~40 tok/s), its turn or parking changed, or recheck_s passed (a tool wait ageing).
     recheck_tokens: int = 256
     recheck_s: float = 5.0
-    # Re-prefill price (the h200-30b-a3b profile's a and c; DESIGN §5): seconds of engine step
-    # time per recomputed token and per (query, key) pair of that recompute.
-    prefill_s_per_token: float = 15e-6
-    prefill_s_per_pair: float = 2.6e-9
+    # Re-prefill price (the h200-30b-a3b profile's a and c, docs/engine-model.md): seconds of
+    # engine step time per recomputed token and per (query, key) pair of that recompute.
+    prefill_s_per_token: float = 11e-6
+    prefill_s_per_pair: float = 1.8e-9
     aimd: AimdParams = field(default_factory=AimdParams)
     predictors: PredictorParams = field(default_factory=PredictorParams)
 

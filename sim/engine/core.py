@@ -290,7 +290,7 @@ class EngineCore:
             k = lo + 1
         p = self.profile
         ctx = int(L.sum()) - n  # decode context = computed tokens = num_tokens − 1 each
-        base = p.t0 + (p.t_seq + p.a) * n + p.b * ctx
+        base = p.t0 + p.t_seq * n + p.linear_time(n) + p.b * ctx
         run = _DecodeRun(self.now, k, list(running), base, p.b * n, 0.0, tokens=L, blocks=nb, left=left)
         if self._arrivals:
             k = min(k, self._steps_before(run, self._arrivals[0][0]))
@@ -315,7 +315,7 @@ class EngineCore:
             m -= 1
         p = self.profile
         ctx = int(L[:m].sum()) - m
-        run = _DecodeRun(self.now, 1, list(running), p.t0 + (p.t_seq + p.a) * m + p.b * ctx,
+        run = _DecodeRun(self.now, 1, list(running), p.t0 + p.t_seq * m + p.linear_time(m) + p.b * ctx,
                          p.b * m, 0.0, tokens=L[:m], blocks=nb[:m], left=left[:m],
                          preempted=len(victims))
         run.end = self.now + run.elapsed(1) if m else self.now

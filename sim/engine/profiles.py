@@ -1,30 +1,104 @@
 """Engine profiles: a GPU × model pair, its KV capacity, scheduler limits and step-time model.
 
-Step time (DESIGN §5) for one scheduler step:
+Step time for one scheduler step (docs/engine-model.md):
 
-    T = t0 + t_seq·S + a·N + b·Σ_decode ctx + c·Σ_prefill chunk·(prefix + chunk/2)
+    T = t0 + t_seq·S + L(N) + b·Σ_decode ctx + c·Σ_prefill chunk·(prefix + chunk/2)
+    L(N) = a·N                                                   (dense models)
+    L(N) = max(a·N, moe_stream·(1 − (1 − moe_topk_frac)^N))       (mixture-of-experts models)
 
 S = sequences in the batch, N = tokens scheduled, ctx = tokens already in KV for a decode,
-prefix = tokens already in KV before a prefill chunk. t0 is the fixed per-step cost (launch,
-MoE routing, CUDA-graph replay), t_seq per-sequence sampling/logits, a the per-token
-weight-bound cost, b the per-context-token attention read (KV bytes / HBM bandwidth), c the
-per-(query, key) attention FLOPs of prefill.
+prefix = tokens already in KV before a prefill chunk. t0 is the fixed per-step cost (kernel
+launches, scheduler and sampler overhead, and streaming the weights every step reads:
+all of a dense model's, the non-expert part of an MoE's), t_seq per-sequence sampling/logits,
+a the per-token cost of the linear layers, b the per-context-token attention read of a decode
+(KV bytes / achieved HBM bandwidth), c the per-(query, key) attention cost of prefill.
+For an MoE, a step also streams the routed experts its N tokens touch: with uniform routing of
+top-k of E experts, the expected fraction touched is 1 − (1 − k/E)^N (6% at N = 1, 98% at
+N = 64 for Qwen3-30B-A3B). That read overlaps the expert GEMMs, hence the max(): decode
+steps are bandwidth-bound, prefill chunks compute-bound. A single constant t0 cannot give both
+the batch-1 TPOT and a large-batch step for an MoE (at N ≥ 64 every step must read all
+expert weights, 58 GB in BF16: ≥ 12 ms on an H200), which is why L(N) has this term.
+docs/engine-model.md has the reference table, the simulated values and the errors.
 
-Sources and derivations (error bars are honest guesses of how far the real GPU may differ):
-- h200-30b-a3b (Qwen3-30B-A3B BF16 on one H200): weights 56.9 GB, KV 96 KiB/token [G1]
-  → (0.9·141 GB − 56.9 GB − ~3 GB activations) / 96 KiB ≈ 690k KV tokens. Decode fit from
-  WORKLOADS.md §4: 8 ms + 0.08 ms per running sequence at 2–3K context ([G2] 9.6 ms @1,
-  [G3] ~24 ms @200 streams) — split as t_seq 10 µs + a 15 µs + b·2.5K with b = 96 KiB /
-  4.8 TB/s ≈ 21 ns. Prefill: a ≈ 15 µs/token (3.3B active params → 6.6 GFLOP/token at
-  ~45% of 989 TFLOP/s); c = 4·d_model_attn·layers = 4·4096·48 ≈ 0.79 MFLOP per (q, k) pair
-  at ~300 TFLOP/s ≈ 2.6 ns. Error bars: t0 ±30%, a ±50%, b ±30%, c ±50%.
-- h100-8b (Llama-3-8B class dense BF16 on one H100 80GB): weights 16 GB, KV 128 KiB/token
-  (32 layers × 8 KV heads × 128 × 2 × 2 B) → (0.9·80 − 16 − 3) GB / 128 KiB ≈ 400k tokens.
-  a = 16 GFLOP/token at ~600 TFLOP/s ≈ 27 µs; b = 128 KiB / 3.35 TB/s ≈ 39 ns;
-  c = 4·4096·32 ≈ 0.52 MFLOP/pair at ~500 TFLOP/s ≈ 1.05 ns; t0 6 ms, t_seq 8 µs.
-  Error bars as above (no public concurrency sweep was found for either pair).
-Scheduler limits are vLLM's defaults for online serving on these GPUs:
-max_num_batched_tokens 8192, max_num_seqs 256, block_size 16.
+Sources (keys used here, in the docs and in tests/sim/test_profiles.py):
+- [HW-H100] NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16, 1,979 FP8, 3.35 TB/s HBM3,
+  80 GB (nvidia-smi: 81,559 MiB = 79.6 GiB). [HW-H200] H200 SXM: the same compute,
+  4.8 TB/s HBM3e, 141 GB (nvidia-smi: 143,771 MiB = 140.4 GiB).
+- [CFG-Q] huggingface.co/Qwen/Qwen3-30B-A3B config.json: 48 layers, hidden 2048, 32 query /
+  4 KV heads of 128, 128 experts, top-8, expert width 768, vocab 151,936, untied embeddings
+  → 30.5B parameters (56.9 GiB BF16 [G1]), of which routed experts 29.0B; 2.73B active linear
+  parameters per token (5.46 GFLOP); KV 2·48·4·128·2 B = 96 KiB/token; attention
+  4·32·128·48 = 0.79 MFLOP per (query, key) pair.
+- [CFG-L] huggingface.co/meta-llama/Llama-3.1-8B config.json: 32 layers, hidden 4096,
+  32 query / 8 KV heads of 128, MLP 14,336, vocab 128,256 → 8.03B parameters (15.0 GiB BF16);
+  14.0 GFLOP per prefill token; KV 128 KiB/token; 0.52 MFLOP per (query, key) pair.
+- [FP8KV] vLLM blog "The State of FP8 KV-Cache and Attention Quantization in vLLM"
+  (vllm-project/vllm-project.github.io, _posts/2026-04-22-fp8-kvcache.md), one H100, vLLM
+  0.19.1 + FlashAttention-3, Llama-3.1-8B BF16 weights: concurrency-1 ITL = 6.44 ms +
+  4.37e-5 ms × input_len (BF16 KV), 6.58 ms + 2.37e-5 ms × input_len (FP8 KV); 150 requests
+  at concurrency 8, ~20k in / ~2k out (±15%): BF16 KV median TTFT 763.6 ms, median ITL
+  15.18 ms, 672.6 s, 450.3 output tok/s.
+- [IX] SemiAnalysisAI/InferenceX pull request #769 (vLLM DecodeBenchConnector experiment),
+  one H200 SXM, Qwen/Qwen3-30B-A3B-FP8 TP1 (KV cache dtype left at auto = BF16), 20 random
+  32,768-token prompts, 100 outputs, concurrency 10: with the connector (prefill skipped, KV
+  filled) TPOT 16.02 ms; without it TTFT 5,220 ms, TPOT 84.35 ms, 73.18 output tok/s.
+- [MLPERF] Red Hat's MLPerf Inference v5.1 Llama-3.1-8B submission (redhat.com/en/blog/
+  efficient-and-reproducible-llm-inference-red-hat-mlperf-inference-v51-results): FP8 weights
+  and KV, vLLM 0.10.0, one H100, CNN-DailyMail (mean 778 in / 73 out): Offline 5,777 tok/s.
+- [FA3] FlashAttention-3 (arXiv 2407.08608, Fig. 5): BF16 forward, head dim 128, on H100 SXM5
+  runs at 600–650 TFLOP/s for 4k–16k sequences.
+- [G2] (WORKLOADS.md) tenstorrent/tt-inference-server issue 340: Qwen3-30B-A3B on A100, vLLM,
+  batch 1: TPOT 9.6 ms at 128 input tokens, 10.6 ms at 8,192. Its TTFTs are NOT used: 75.2 ms
+  for 4,096 tokens is 29 TFLOP of work, which needs ≥ 93 ms at the A100's 312 TFLOP/s peak,
+  so those rows cannot be cold prefills (cached prefixes or shorter prompts).
+- [G3] (WORKLOADS.md) gpustack docs/performance-lab/qwen3.5-35b-a3b/h200.md, vLLM 0.17.1,
+  200 requests × 1,000 in / 2,000 out at once: BF16 57.74 s, mean latency 57.43 s, mean TTFT
+  1.92 s → 27.8 ms per decode step at 200 streams (FP8 with throughput mode: 23.8 ms). A
+  different, hybrid-attention model: used only after the architecture correction below.
+- [V2] (WORKLOADS.md) volcengine/verl recipe/dapo/run_dapo_qwen3_moe_30b_vllm_fp8_rollout.sh:
+  rollout.quantization.weight_dtype=fp8 (weights only; KV cache stays BF16), gen_tp=1,
+  gpu_memory_utilization 0.9, max_num_batched_tokens 32768, max_num_seqs 256.
+- [VLLM-DEF] vllm-project/vllm vllm/engine/arg_utils.py (EngineArgs._set_default_args at
+  commit 99d7eb5d; EngineArgs.get_batch_defaults in later versions): for usage context
+  OPENAI_API_SERVER on a GPU with ≥ 70 GiB whose name does not contain "a100" (H100, H200),
+  max_num_batched_tokens 8192 and max_num_seqs 1024 (LLM_CLASS: 16384 and 1024); otherwise
+  (A100, smaller GPUs) 2048 and 256 (LLM_CLASS: 8192 and 256). block_size defaults to 16.
+
+Derivations and error bars (an error bar says how far the real GPU may plausibly be):
+- KV capacity: (0.9 × GPU memory − weights − activations) / KV bytes per token; activations
+  (profiled peak of a max_num_batched_tokens forward, sampler buffers, non-torch memory)
+  4 GiB for the MoE, 3 GiB for the 8B (±2 GiB → ±3% on capacity). h200-30b-a3b:
+  (126.4 − 56.9 − 4) GiB / 96 KiB = 715k; FP8 weights (29.1 GiB), BF16 KV: 1.02M;
+  h100-8b: (71.7 − 15.0 − 3) GiB / 128 KiB = 440k; FP8 weights (8.5 GiB) and KV: 987k.
+- b: [FP8KV]'s batch-1 ITL slope is 43.7 ns per 128 KiB token on an H100 (90% of 3.35 TB/s);
+  its concurrency-8 median ITL implies ~50 ns; h100-8b takes 47 ns (±10%), h100-8b-fp8 25 ns
+  (slope 23.7 ns). For the H200 the same FA3 kernel at 85% of 4.8 TB/s gives 96 KiB / 4.08
+  TB/s = 24 ns (±15%), which reproduces [IX]'s decode-only 16.02 ms within 3%.
+- c: [FA3]'s ~630 TFLOP/s kernel rate at 69% for vLLM's chunked, paged, variable-length
+  prefill (437 TFLOP/s, fitted with a to [IX]'s 32k run): c = 0.79 MFLOP / 437 T = 1.8 ns
+  (Qwen), 0.52 MFLOP / 437 T = 1.2 ns (Llama); ±25%. FP8 KV: 5% less ([FP8KV]: "slight TTFT
+  speedups"). Both H200 profiles keep a BF16 KV cache, so they share b and c.
+- a: h200-30b-a3b-fp8 fitted with c to [IX]'s 32k run: 6 µs (5.46 GFLOP at 910 TFLOP/s, 46%
+  of FP8 peak); h200-30b-a3b 11 µs (50% of BF16 peak: block-FP8 MoE GEMMs ~1.8× faster;
+  ±30%); h100-8b 23 µs from [FP8KV]'s 20k median TTFT once c is fixed (14.0 GFLOP at 609
+  TFLOP/s, 62%; ±20%); h100-8b-fp8 11.5 µs from [MLPERF] (±25%).
+- t0: fixed launch/scheduler overhead plus the weights every step reads. h100-8b: [FP8KV]'s
+  6.44 ms intercept less t_seq and a = 6.41 ms (overhead 1.4 ms + 15.0 GB at 3.0 TB/s);
+  h100-8b-fp8: 6.58 ms (FP8-KV intercept) less 7.0 GB of weights not read = 4.25 ms (±15%).
+  H200 MoE: 4.0 ms overhead (±1 ms: [G2]'s A100 9.6 ms less its 3.5 ms weight read, ×0.65
+  for Hopper clocks and a newer vLLM) + 2.46 GB (BF16) or 1.53 GB (FP8) of non-expert weights
+  at 4.08 TB/s. No Hopper batch-1 measurement of Qwen3-30B-A3B was found: batch-1 TPOT on
+  the H200 (5.5 ms BF16, 4.95 ms FP8 at 1k) is an extrapolation, ±25%.
+- moe_stream: every routed expert's bytes once, 58.0 GB (BF16) at 85% of 4.8 TB/s = 14.2 ms;
+  29.0 GB (FP8) at 70% = 8.6 ms: [G3]'s FP8 run gains only 4 of the 8 ms that halving the
+  expert bytes would save, so block-FP8 expert kernels stream below the BF16 ones.
+- [G3] → Qwen3-30B-A3B: 27.8 ms + 7.6 ms (96 vs 20 KiB/token of KV at Σctx = 400k) − 1.6 ms
+  (6.4 GB fewer expert bytes) − 4.6 ms (3–6 ms: Qwen3.5's FP32 recurrent state, read and
+  written each step) = 29.2 ms per step (BF16; FP8 25.9 ms), ±25%.
+- t_seq: logits (vocab × hidden) and sampling per sequence, ~10 µs (±50%; no reference
+  separates it from t0 and b).
+Scheduler limits are [VLLM-DEF]'s online-serving defaults for an H100/H200: 8192 batched tokens,
+1024 sequences, block 16. RL frameworks often override them ([V2]: 32768 and 256).
 End-of-sequence model (when a request gives no length): lognormal output length, median
 `eos_median` tokens, log-sigma `eos_sigma`, capped by max_tokens (a chat-like default; RL
 scenarios always pass true lengths).
@@ -32,7 +106,23 @@ scenarios always pass true lengths).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
+
+GiB = 1 << 30
+H100_MEM_GIB = 81_559 / 1024  # nvidia-smi total of an H100 SXM5 80GB [HW-H100]
+H200_MEM_GIB = 143_771 / 1024  # nvidia-smi total of an H200 SXM 141GB [HW-H200]
+H100_BW = 3.35e12  # B/s [HW-H100]
+H200_BW = 4.8e12  # B/s [HW-H200]
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+
+
+def kv_tokens_from_memory(mem_gib: float, weights_gib: float, activations_gib: float,
+                          kv_bytes_per_token: int) -> int:
+    """KV capacity as vLLM sizes it: what gpu_memory_utilization leaves after the weights and
+    the profiled activation peak, in whole tokens."""
+    free = (GPU_MEMORY_UTILIZATION * mem_gib - weights_gib - activations_gib) * GiB
+    return int(free // kv_bytes_per_token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,20 +132,37 @@ class EngineProfile:
     kv_tokens: int  # KV capacity in tokens (num_gpu_blocks × block_size)
     max_model_len: int
     block_size: int = 16
-    max_num_seqs: int = 256
+    max_num_seqs: int = 1024
     max_num_batched_tokens: int = 8192
     vocab_size: int = 151_936
     t0: float = 8e-3  # s per step
     t_seq: float = 10e-6  # s per sequence in the batch
-    a: float = 15e-6  # s per scheduled token
+    a: float = 15e-6  # s per scheduled token (linear layers)
     b: float = 21e-9  # s per decode context token
     c: float = 2.6e-9  # s per prefill (query, key) pair
+    moe_stream: float = 0.0  # s to stream every routed expert's weights once (0: dense model)
+    moe_topk_frac: float = 0.0  # experts a token activates / experts per layer (k/E)
     eos_median: int = 600
     eos_sigma: float = 1.0
 
     @property
     def num_gpu_blocks(self) -> int:
         return self.kv_tokens // self.block_size
+
+    def linear_time(self, n_tokens: int) -> float:
+        """L(N): the linear layers of a step with N scheduled tokens (see the module docstring).
+        Dense: a·N. MoE: the larger of the GEMM time and streaming the experts the N tokens
+        touch (uniform top-k routing)."""
+        if not self.moe_stream or n_tokens <= 0:
+            return self.a * n_tokens
+        touched = -math.expm1(n_tokens * math.log1p(-self.moe_topk_frac))
+        return max(self.a * n_tokens, self.moe_stream * touched)
+
+    def with_limits(self, max_num_seqs: int | None = None,
+                    max_num_batched_tokens: int | None = None) -> EngineProfile:
+        """The profile with the scheduler limits a deployment sets (None: keep vLLM's)."""
+        return replace(self, max_num_seqs=max_num_seqs or self.max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens or self.max_num_batched_tokens)
 
     def with_kv_tokens(self, kv_tokens: int | None) -> EngineProfile:
         if kv_tokens is None:
@@ -65,24 +172,55 @@ class EngineProfile:
         return replace(self, kv_tokens=kv_tokens)
 
 
+# -- derived constants (module docstring: "Derivations") ---------------------------------------
+_Q_KV_BYTES = 2 * 48 * 4 * 128 * 2  # 98,304 B = 96 KiB per token [CFG-Q]
+_L_KV_BYTES = 2 * 32 * 8 * 128 * 2  # 131,072 B = 128 KiB per token (BF16) [CFG-L]
+_Q_EXPERT_BYTES_BF16 = 48 * 128 * 3 * 2048 * 768 * 2  # 57.98 GB of routed experts [CFG-Q]
+_Q_EXPERT_BYTES_FP8 = _Q_EXPERT_BYTES_BF16 // 2  # 28.99 GB (+ block scales, < 0.1%)
+_Q_DENSE_BYTES_BF16 = 2.46e9  # attention, router, lm_head: 1.23B params × 2 B [CFG-Q]
+_Q_DENSE_BYTES_FP8 = 1.53e9  # attention in FP8 (0.91 GB), lm_head and router in BF16
+_H200_OVERHEAD = 4.0e-3  # launch + scheduler + sampler per step, Qwen3-30B-A3B on an H200
+_H200_ETA = 0.85  # achieved fraction of HBM bandwidth when streaming weights / KV
+_H200_ETA_FP8_MOE = 0.70  # block-FP8 expert kernels at small M (see the docstring: [G3], [IX])
+
 PROFILES: dict[str, EngineProfile] = {
     p.name: p
     for p in (
         EngineProfile(
-            name="h200-30b-a3b",
+            name="h200-30b-a3b",  # Qwen3-30B-A3B, BF16 weights and KV, one H200
             served_model="sim-qwen3-30b-a3b",
-            kv_tokens=690_000,
+            kv_tokens=kv_tokens_from_memory(H200_MEM_GIB, 56.87, 4.0, _Q_KV_BYTES),  # ≈ 715k
             max_model_len=65_536,
             vocab_size=151_936,
-            t0=8e-3, t_seq=10e-6, a=15e-6, b=21e-9, c=2.6e-9,
+            t0=_H200_OVERHEAD + _Q_DENSE_BYTES_BF16 / (_H200_ETA * H200_BW),  # 4.6 ms
+            t_seq=10e-6, a=11e-6, b=24e-9, c=1.8e-9,
+            moe_stream=_Q_EXPERT_BYTES_BF16 / (_H200_ETA * H200_BW), moe_topk_frac=8 / 128,
         ),
         EngineProfile(
-            name="h100-8b",
+            name="h200-30b-a3b-fp8",  # Qwen3-30B-A3B, FP8 (block) weights, BF16 KV, one H200
+            served_model="sim-qwen3-30b-a3b-fp8",
+            kv_tokens=kv_tokens_from_memory(H200_MEM_GIB, 29.1, 4.0, _Q_KV_BYTES),  # ≈ 1.02M
+            max_model_len=65_536,
+            vocab_size=151_936,
+            t0=_H200_OVERHEAD + _Q_DENSE_BYTES_FP8 / (_H200_ETA * H200_BW),  # 4.4 ms
+            t_seq=10e-6, a=6e-6, b=24e-9, c=1.8e-9,
+            moe_stream=_Q_EXPERT_BYTES_FP8 / (_H200_ETA_FP8_MOE * H200_BW), moe_topk_frac=8 / 128,
+        ),
+        EngineProfile(
+            name="h100-8b",  # Llama-3.1-8B, BF16 weights and KV, one H100 SXM 80GB
             served_model="sim-llama3-8b",
-            kv_tokens=400_000,
+            kv_tokens=kv_tokens_from_memory(H100_MEM_GIB, 14.96, 3.0, _L_KV_BYTES),  # ≈ 440k
             max_model_len=32_768,
             vocab_size=128_256,
-            t0=6e-3, t_seq=8e-6, a=27e-6, b=39e-9, c=1.05e-9,
+            t0=6.41e-3, t_seq=8e-6, a=23e-6, b=47e-9, c=1.2e-9,
+        ),
+        EngineProfile(
+            name="h100-8b-fp8",  # Llama-3.1-8B, FP8 weights (W8A8) and FP8 KV, one H100 SXM 80GB
+            served_model="sim-llama3-8b-fp8",
+            kv_tokens=kv_tokens_from_memory(H100_MEM_GIB, 8.46, 3.0, _L_KV_BYTES // 2),  # ≈ 986k
+            max_model_len=32_768,
+            vocab_size=128_256,
+            t0=4.25e-3, t_seq=8e-6, a=11.5e-6, b=25e-9, c=1.14e-9,
         ),
     )
 }

@@ -49,7 +49,8 @@ class Scheduler:
                 decode_ctx += ctx
             else:
                 prefill_pairs += n * (ctx + n / 2)
-        return p.t0 + p.t_seq * len(scheduled) + p.a * n_tokens + p.b * decode_ctx + p.c * prefill_pairs
+        return (p.t0 + p.t_seq * len(scheduled) + p.linear_time(n_tokens) + p.b * decode_ctx
+                + p.c * prefill_pairs)
 
     def preempt(self, victim: EngineRequest) -> None:
         """Recompute preemption: drop the victim's KV (cached blocks keep their hashes) and

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+
+from sim.engine.profiles import get_profile
 from prometheus_client.parser import text_string_to_metric_families
 
 from sim.server.testing import RunningEngine, running_engine
@@ -196,7 +198,7 @@ def test_metrics_counters_agree_with_responses() -> None:
         assert len(info) == 1
         info_labels = dict(info[0])
         assert info_labels["block_size"] == "16" and info_labels["engine"] == "0"
-        assert int(info_labels["num_gpu_blocks"]) == 400_000 // 16
+        assert int(info_labels["num_gpu_blocks"]) == get_profile("h100-8b").kv_tokens // 16
 
 
 # --- tokenizer and render endpoints -------------------------------------------------------

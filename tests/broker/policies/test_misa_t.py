@@ -215,10 +215,12 @@ def test_expected_end_is_the_conditional_mean_with_the_cap_until_the_tail_is_kno
 def test_hold_breaks_even_where_wait_times_history_meets_prefill_price() -> None:
     policy = _agentic_policy(tool_wait_per_gap=5.0)
     v = view("a", telemetry=hb(1.0, usage=0.5))
-    # Re-prefilling H tokens costs (15 µs·H + 2.6 ns·H²/2) of engine time × 50,000 resident KV;
-    # holding costs H × 5 s. Break-even near H = 250k/… : short histories are cheap to redo.
+    # Re-prefilling H tokens costs (11 µs·H + 1.8 ns·H²/2) of engine time × the resident KV,
+    # max(50,000, H); holding costs H × 5 s. Past 50k both scale with H: break-even where
+    # 5 = 11e-6·H + 0.9e-9·H², H ≈ 69k. Short histories are cheap to redo, long ones to hold.
     assert not policy.hold_is_cheaper("agentic", 1_000, 0.0, v)
-    assert policy.hold_is_cheaper("agentic", 60_000, 0.0, v)
+    assert not policy.hold_is_cheaper("agentic", 60_000, 0.0, v)
+    assert policy.hold_is_cheaper("agentic", 80_000, 0.0, v)
 
 
 def test_residency_ablation_charges_the_cap_once_and_never_recharges() -> None:
