@@ -65,6 +65,7 @@ class FamilySpec(BaseModel):
     max_staleness: int = 1  # for async-stale
     turnovers: Annotated[float, Field(gt=0)] = 4.0  # steady-state buffer turnovers per run
     sync_steps: Annotated[int, Field(ge=2)] = 8  # iterations of a sync scenario
+    max_wall_s: Annotated[float, Field(gt=0)] = 1800.0  # per run: a safety stop, not a budget
 
     @model_validator(mode="after")
     def _ranges(self) -> FamilySpec:
@@ -158,6 +159,7 @@ def sample_scenario(spec: FamilySpec, base: Scenario, index: int, seed: int) -> 
             trainer["max_staleness"] = spec.max_staleness
     data["trainer"] = {**{k: v for k, v in data["trainer"].items()
                           if k in ("arrival",)}, **trainer}
+    data["limits"] = {**data["limits"], "max_wall_s": spec.max_wall_s}
     data["name"] = f"{spec.name}-{index:03d}"
     data["seed"] = seed * 1000 + index
     return parse_scenario(data, origin=data["name"])
