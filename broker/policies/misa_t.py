@@ -10,7 +10,10 @@ Each `decide(snapshot)`:
    is cheaper than re-prefilling it (expected remaining wait × history KV·s against the
    engine time a re-prefill costs, priced at the KV resident there), otherwise its charge is
    released. Changed charges go back in `Decision.recharge`.
-3. Adapt α_b by AIMD on that heartbeat (misa_t_control.AimdParams.step).
+3. Adapt α_b on that heartbeat (misa_t_control.AimdParams.step): back off on the engine's
+   signals (a preemption, a growing queue, usage above the watermark), otherwise move toward
+   the α at which the KV the engine reports in use would reach its target, given the measured
+   ratio of used to charged KV on that backend (the loop between the ledger and the engine).
 4. Allocate: workload w may hold σ_w of Σ_b α_b·C_b, σ_w ∝ π_w·K_w with a deficit correction;
    idle shares are lent, and lending stops (never preempts) once an owner has pending work.
    An owner below its share whose oldest session fits nowhere keeps the backend closest to
@@ -80,7 +83,12 @@ class MisaTConfig:
     # `misa_t-paced` variant sets 0 and "fast".
     pace_tolerance: float = math.inf
     pace_scope: str = "fast"
-    locality_slack: float = 0.15  # prefer a prefix match only within this utilisation of the least used
+    locality_slack: float = 0.15  # prefer a prefix match only within this KV utilisation of the least used ...
+    # ... and within this many running sessions of the least loaded (at least
+    # `balance_slack_sessions`, else `balance_slack_frac` of the mean): a decode batch piled on
+    # one engine costs more than the prefills a prefix match saves.
+    balance_slack_sessions: int = 1
+    balance_slack_frac: float = 0.15
     recharge_tolerance: float = 0.05  # re-charge only when a charge moves by more than this fraction
     # Re-evaluate a session's charge once it has produced this many tokens more (~6 s of decode
     # at ~40 tok/s), its turn or parking changed, or recheck_s passed (a tool wait ageing).
@@ -114,6 +122,7 @@ class _Backend:
     view: BackendView
     limit: float  # α_b·C_b
     reserved: float
+    running: int  # sessions with a request on the engine, including those placed in this call
 
     @property
     def headroom(self) -> float:
@@ -132,6 +141,9 @@ class MisaT(Policy):
         self._tracks: dict[str, _Track] = {}
         self._last_hb: dict[str, Telemetry] = {}
         self._calm_since: dict[str, float] = {}
+        self._usage_ratio: dict[str, float | None] = {}  # ρ_b: KV in use per token charged
+        self._running = 0  # within one decide(): running sessions over the healthy backends
+        self._healthy = 1  # ... and how many healthy backends there are
         self._max_len = 1 << 30  # smallest max_model_len seen: no context exceeds it
         self._keys: dict[str, PrefixKey] = {}  # prefix keys of pending items, by session (or group)
 
@@ -159,6 +171,8 @@ class MisaT(Policy):
         for c in snapshot.new_completions:
             self._learn(c)
         backends, used = self._account(snapshot, decision)
+        self._running = sum(b.running for b in backends)
+        self._healthy = max(1, len(backends))
         if backends:
             self._admit(snapshot, backends, used, decision)
         return decision
@@ -198,11 +212,12 @@ class MisaT(Policy):
             if abs(view.alpha - alpha) > 1e-9:
                 decision.alpha[b] = alpha
             if view.healthy:
-                out.append(_Backend(view, alpha * view.capacity_tokens, reserved))
+                out.append(_Backend(view, alpha * view.capacity_tokens, reserved, view.in_flight))
         for b in self.prefix.backends():
             if b not in present:
                 self.prefix.drop_backend(b)
                 self._last_hb.pop(b, None)
+                self._usage_ratio.pop(b, None)
         return out, used
 
     def _charge_residents(self, view: BackendView, now: float, fresh: bool,
@@ -233,9 +248,12 @@ class MisaT(Policy):
         if fresh:
             if cfg.adaptive_admission:
                 before = self._last_hb.get(b)
+                ratio = cfg.aimd.usage_ratio(self._usage_ratio.get(b), hb, reserved,
+                                             view.capacity_tokens)
+                self._usage_ratio[b] = ratio
                 alpha = cfg.aimd.step(alpha, hb, before, work_pending=work_pending,
                                       reserved=reserved, capacity=view.capacity_tokens,
-                                      calm_for=hb.at - calm_since)
+                                      ratio=ratio, calm_for=hb.at - calm_since)
                 if cfg.aimd.backed_off(hb, before):
                     self._calm_since[b] = hb.at
             self._last_hb[b] = hb
@@ -466,13 +484,9 @@ class MisaT(Policy):
                 group.append(it)
         charges = [self._charge(it) for it in group]
         key = self._key(head) if self.config.prefix_placement else None
-        if len(group) > 1:
-            target, hit = self._choose(backends, sum(charges), key)
-            if target is not None:
-                for it, ch in zip(group, charges):
-                    self._place(it, target, ch, decision, key, hit)
-                    hit = key.tokens[-1] if key is not None and key.tokens else 0
-                return len(group), sum(charges), charges[0]
+        # Member by member: the first placement puts the group's prefix in the index, so the
+        # rest follow it to that backend while its decode batch stays within the balance
+        # slack, and spill to the next one (one more prefill of the shared prompt) beyond it.
         taken, charged = 0, 0.0
         for it, ch in zip(group, charges):
             target, hit = self._choose(backends, ch, key)
@@ -496,26 +510,45 @@ class MisaT(Policy):
         self, backends: list[_Backend], charge: float, key: PrefixKey | None
     ) -> tuple[_Backend | None, int]:
         """The backend for `charge` tokens, and how much of `key` it probably caches."""
-        # A backend fits while its reservations stay within α·C; one pass, because this runs
-        # for every admission.
+        # A backend fits while its reservations stay within α·C. Balance first: only
+        # backends near the least used in KV (of the cache itself, not of α·C, which can be
+        # several times it) and, among those, near the least loaded in running sessions are
+        # candidates; among them the longest cached prefix, then most headroom. Three passes
+        # over the backends, because this runs for every admission.
+        cfg = self.config
         fits = []
-        roomiest, most = None, -1.0
+        low = math.inf
         for b in backends:
-            headroom = b.limit - b.reserved
-            if headroom < charge:
-                continue
-            fits.append(b)
-            if headroom > most:
-                roomiest, most = b, headroom
-        if roomiest is None:
+            if b.limit - b.reserved >= charge:
+                fits.append(b)
+                util = b.reserved / b.view.capacity_tokens
+                if util < low:
+                    low = util
+        if not fits:
             return None, 0
+        kv_floor = low + cfg.locality_slack
+        near = []
+        least = math.inf
+        for b in fits:
+            if b.reserved / b.view.capacity_tokens <= kv_floor:
+                near.append(b)
+                if b.running < least:
+                    least = b.running
+        run_floor = least + max(cfg.balance_slack_sessions,
+                                cfg.balance_slack_frac * self._running_mean())
         matched = self.prefix.matches(key) if key is not None and key.hashes else None
-        if not matched:
-            return roomiest, 0
-        floor = min(b.reserved / b.limit for b in fits) + self.config.locality_slack
-        near = [b for b in fits if b.reserved / b.limit <= floor]
-        best = max(near, key=lambda b: (matched.get(b.view.backend_id, 0), b.headroom))
-        return best, matched.get(best.view.backend_id, 0)
+        best, best_rank = None, None
+        for b in near:
+            if b.running > run_floor:
+                continue
+            hit = matched.get(b.view.backend_id, 0) if matched else 0
+            rank = (hit, b.limit - b.reserved)
+            if best_rank is None or rank > best_rank:
+                best, best_rank = b, rank
+        return best, best_rank[0]
+
+    def _running_mean(self) -> float:
+        return self._running / self._healthy
 
     def _place(
         self,
@@ -529,6 +562,8 @@ class MisaT(Policy):
         """Admit `item` to `target`; `hit` tokens of its prompt are probably cached there."""
         b = target.view.backend_id
         target.reserved += charge
+        target.running += 1
+        self._running += 1
         decision.admissions.append(Admission(item.session_id, b, int(charge)))
         if item.turn == 0:  # each session's prompt counts once, when it is placed
             self.models[item.workload].note_prompt(item.prompt_tokens)

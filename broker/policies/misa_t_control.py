@@ -2,8 +2,15 @@
 
 `AimdParams.step` turns one backend's heartbeat into its next α (DESIGN §4.3): back off
 multiplicatively on a new preemption, a growing engine waiting queue or KV usage above the high
-watermark; grow multiplicatively (and only a little past 1) while usage is below target, the
-backend has been calm for `calm_s`, work is pending and α is what binds.
+watermark; otherwise, while usage is below target, the backend has been calm for `calm_s`, work
+is pending and α is what binds, move α toward the α at which the engine would sit at its
+target usage. That α comes from closing the loop between what the ledger charges and what the
+engine holds: ρ_b (`usage_ratio`), the KV the engine reports in use per token charged there,
+tracked per heartbeat; reservations of α·C_b then mean about ρ_b·α·C_b in use, so the
+ceiling is kv_target/ρ_b. Charges are expected *final* contexts, which sessions at different
+points of their lives do not reach together (and parked agentic histories sit in vLLM's
+evictable prefix cache, outside `kv_cache_usage_perc`), so ρ_b is well below 1 and α well
+above it: no fixed cap binds before the engine's own signals do.
 
 `shares` and `admissible` are the allocation of DESIGN §4.2: σ_w = π_w K_w / Σ_v π_v K_v of the
 admitted capacity, a deficit counter on consumed-vs-target nudging σ, lending to whoever has
@@ -25,22 +32,40 @@ from broker.policies.base import Telemetry
 
 @dataclass(frozen=True, slots=True)
 class AimdParams:
-    # Charges are expected *final* contexts (misa_t.py), so α = 1 already means "the expected
-    # peak of everything admitted fits the cache". Start just below it; overbook only a little
-    # and only once the engine has proved calm: an admitted session cannot be taken back, so
-    # an α that was too high is paid for over a whole rlvr tail (minutes), not one heartbeat.
+    # Charges are expected *final* contexts (misa_t.py), so α = 1 means "the expected peak of
+    # everything admitted fits the cache". Start just below it, before any heartbeat says how
+    # much of those charges the engine really holds.
     alpha_init: float = 0.95
     alpha_min: float = 0.6  # a preempting backend still admits once its ledger drains this far
-    alpha_max: float = 1.1  # overbooking limit: Σ expected peaks overstates the actual peak (1.25 → 1.1: see docs §0b)
-    increase: float = 1.02  # multiplicative step per calm heartbeat (~1 s): +25% in ~11 s
-    backoff_preempt: float = 0.8  # the engine recomputed someone: the ledger let too much in
-    backoff_waiting: float = 0.9  # the engine queue grows: admitted work does not fit
+    # Not a limit the loop aims at: a guard against a ratio measured on a backend whose few
+    # sessions have barely started (ρ near 0 asks for an unbounded α).
+    alpha_max: float = 4.0
+    usage_ratio_gain: float = 0.3  # EWMA gain of ρ_b per heartbeat (~3 s memory at 1 s)
+    min_charged: float = 0.05  # ρ_b is measured only while this fraction of C_b is charged
+    approach: float = 0.5  # per calm heartbeat α closes this fraction of its gap to the ceiling
+    backoff_preempt: float = 0.9  # the engine recomputed someone: the ledger let too much in
+    backoff_waiting: float = 0.95  # the engine queue grows: admitted work does not fit
     backoff_high: float = 0.97  # usage above the watermark: the next growth step may preempt
-    kv_high: float = 0.95  # vLLM preempts at 100%: keep one decode burst of slack
-    kv_target: float = 0.8  # grow α only while usage is below this ...
-    calm_s: float = 30.0  # ... and no preemption or back-off happened for this long
+    kv_high: float = 0.99  # vLLM preempts at 100%: keep one decode burst of slack
+    kv_target: float = 0.97  # the usage the ceiling aims at; α grows only below it ...
+    calm_s: float = 3.0  # ... and when no preemption or back-off happened for this long
     waiting_tolerance: int = 4  # queued requests tolerated (arrivals wait a step for prefill)
     binding: float = 0.9  # α binds when reservations reach this fraction of α·C_b
+
+    def usage_ratio(self, old: float | None, now: Telemetry, reserved: float,
+                    capacity: float) -> float | None:
+        """ρ_b after heartbeat `now`: the EWMA of (KV in use) / (KV charged); unchanged while
+        too little is charged for the ratio to mean anything."""
+        if reserved < self.min_charged * capacity:
+            return old
+        ratio = now.kv_usage * capacity / reserved
+        return ratio if old is None else old + self.usage_ratio_gain * (ratio - old)
+
+    def ceiling(self, ratio: float | None) -> float | None:
+        """The α at which the engine would sit at kv_target; None before any measurement."""
+        if ratio is None or ratio <= 0:
+            return None
+        return min(self.alpha_max, self.kv_target / ratio)
 
     def step(
         self,
@@ -51,20 +76,25 @@ class AimdParams:
         work_pending: bool,
         reserved: float,
         capacity: float,
+        ratio: float | None,
         calm_for: float = float("inf"),
     ) -> float:
-        """The α after heartbeat `now` (`before` is the previous one from this backend);
-        `calm_for` is how long ago this backend last preempted or backed off."""
+        """The α after heartbeat `now` (`before` is the previous one from this backend; `ratio`
+        is ρ_b including `now`); `calm_for` is how long ago this backend last preempted or
+        backed off."""
         backoff = self.backoff(now, before)
+        ceiling = self.ceiling(ratio)
         if backoff is not None:
             alpha *= backoff
         elif (
-            now.kv_usage < self.kv_target
+            ceiling is not None
+            and ceiling > alpha
+            and now.kv_usage < self.kv_target
             and calm_for >= self.calm_s
             and work_pending
             and reserved >= self.binding * alpha * capacity
         ):
-            alpha *= self.increase
+            alpha += self.approach * (ceiling - alpha)
         return min(self.alpha_max, max(self.alpha_min, alpha))
 
     def backoff(self, now: Telemetry, before: Telemetry | None) -> float | None:

@@ -20,7 +20,7 @@ from broker.policies.base import (
     Snapshot,
     Telemetry,
 )
-from broker.policies.misa_t import MisaT
+from broker.policies.misa_t import MisaT, MisaTConfig
 from broker.policies.misa_t_control import AimdParams, CompletionPacer, admissible, shares
 from broker.policies.misa_t_predictors import TailWindow
 from broker.policies.misa_t_prefix import PrefixIndex, prefix_key
@@ -84,37 +84,70 @@ def test_aimd_backs_off_on_a_preemption() -> None:
     assert d.alpha["a"] == pytest.approx(before * AimdParams().backoff_preempt)
 
 
-def test_aimd_grows_only_while_alpha_binds_usage_is_low_and_work_waits() -> None:
+def test_alpha_grows_toward_the_ceiling_only_while_it_binds_usage_is_low_and_work_waits() -> None:
     p = AimdParams()
     low = hb(2.0, usage=0.5)
-    assert p.step(1.0, low, hb(1.0), work_pending=True, reserved=95_000, capacity=CAP) == pytest.approx(p.increase)
-    # not after a recent back-off (the calm clock), and never past alpha_max
-    assert p.step(1.0, low, hb(1.0), work_pending=True, reserved=95_000, capacity=CAP,
-                  calm_for=p.calm_s / 2) == 1.0
-    assert p.step(p.alpha_max, low, hb(1.0), work_pending=True, reserved=CAP * 2,
-                  capacity=CAP) == p.alpha_max
-    assert p.step(1.0, low, hb(1.0), work_pending=False, reserved=95_000, capacity=CAP) == 1.0
-    assert p.step(1.0, low, hb(1.0), work_pending=True, reserved=10_000, capacity=CAP) == 1.0
-    hot = hb(2.0, usage=0.97)
-    assert p.step(1.0, hot, hb(1.0), work_pending=True, reserved=95_000, capacity=CAP) == pytest.approx(p.backoff_high)
+    ratio = 0.5  # the engine holds half of what the ledger charges: the ceiling is 0.95/0.5
+    ceiling = p.kv_target / ratio
+
+    def step(alpha=1.0, now=low, before=None, **kw):
+        args = {"work_pending": True, "reserved": 95_000, "capacity": CAP, "ratio": ratio} | kw
+        return p.step(alpha, now, before or hb(1.0), **args)
+
+    assert step() == pytest.approx(1.0 + p.approach * (ceiling - 1.0))
+    # not after a recent back-off (the calm clock), not without work, not while α has slack,
+    # not before any ratio is known, and never past the ceiling
+    assert step(calm_for=p.calm_s / 2) == 1.0
+    assert step(work_pending=False) == 1.0
+    assert step(reserved=10_000) == 1.0
+    assert step(ratio=None) == 1.0
+    assert step(alpha=ceiling, reserved=CAP * 2) == pytest.approx(ceiling)
+    assert step(alpha=2.5, reserved=CAP * 3) == 2.5  # above the ceiling: the signals bring it down
+    hot = hb(2.0, usage=p.kv_high + 0.005)
+    assert step(now=hot) == pytest.approx(p.backoff_high)
     queue = hb(2.0, waiting=9)
-    assert p.step(1.0, queue, hb(1.0, waiting=5), work_pending=True, reserved=0, capacity=CAP) == pytest.approx(p.backoff_waiting)
-    assert p.step(p.alpha_min, queue, hb(1.0, waiting=5), work_pending=True, reserved=0, capacity=CAP) == p.alpha_min
+    assert step(now=queue, before=hb(1.0, waiting=5), reserved=0) == pytest.approx(p.backoff_waiting)
+    assert step(alpha=p.alpha_min, now=queue, before=hb(1.0, waiting=5)) == p.alpha_min
 
 
-def test_alpha_overbooks_past_one_when_predictions_prove_conservative() -> None:
+def test_usage_ratio_follows_what_the_engine_holds_per_token_charged() -> None:
+    p = AimdParams()
+    first = p.usage_ratio(None, hb(1.0, usage=0.4), reserved=80_000, capacity=CAP)
+    assert first == pytest.approx(0.5)
+    second = p.usage_ratio(first, hb(2.0, usage=0.8), reserved=80_000, capacity=CAP)
+    assert second == pytest.approx(0.5 + p.usage_ratio_gain * (1.0 - 0.5))
+    # a nearly empty ledger says nothing: the ratio stays what it was
+    assert p.usage_ratio(first, hb(3.0, usage=0.01), reserved=1_000, capacity=CAP) == first
+    assert p.ceiling(None) is None
+    assert p.ceiling(0.5) == pytest.approx(p.kv_target / 0.5)
+    assert p.ceiling(0.001) == p.alpha_max  # a guard, not a target
+
+
+def test_alpha_overbooks_until_the_engine_reports_its_target_usage() -> None:
+    """Reservations twice what the engine holds: α rises to about kv_target/ρ (1.94), far past
+    1, and admissions follow; the same engine at 95% never lets α grow."""
     policy = make_policy("misa_t", residency_accounting=False)  # static charges of 1,100
-    residents = [resident("r", reserved=99_000)]
-    items = [pending(f"p{i}", at=float(i)) for i in range(100)]
+    residents = [resident("r", reserved=95_000)]
+    items = [pending(f"p{i}", at=float(i)) for i in range(400)]
     alpha = 1.0
-    for t in range(1, 60):  # the engine reports 30% usage throughout: the charges are too high
-        d = policy.decide(snap([view("a", *residents, alpha=alpha, telemetry=hb(float(t), usage=0.3))],
-                               items))
+    for t in range(1, 60):
+        reserved = sum(r.reserved_tokens for r in residents)
+        usage = 0.5 * reserved / CAP  # the engine holds half of every charge
+        d = policy.decide(snap([view("a", *residents, alpha=alpha,
+                                     telemetry=hb(float(t), usage=usage))], items))
         alpha = d.alpha.get("a", alpha)
         residents += [resident(a.session_id, reserved=a.reserved_tokens) for a in d.admissions]
         items = items[len(d.admissions):]
-    assert alpha == pytest.approx(AimdParams().alpha_max)  # grown to the overbooking cap
-    assert alpha > 1.0 and sum(r.reserved_tokens for r in residents) > CAP
+    target = AimdParams().kv_target / 0.5
+    assert alpha == pytest.approx(target, rel=0.02)
+    assert sum(r.reserved_tokens for r in residents) > 1.8 * CAP
+    exact = make_policy("misa_t", residency_accounting=False)
+    alpha = 0.95
+    for t in range(1, 30):  # what it charges is exactly what the engine holds: ρ = 1
+        d = exact.decide(snap([view("a", resident("r", reserved=95_000), alpha=alpha,
+                                    telemetry=hb(float(t), usage=0.95))], items))
+        alpha = d.alpha.get("a", alpha)
+        assert alpha <= AimdParams().kv_target
     d = make_policy("misa_t-admission", residency_accounting=False).decide(
         snap([view("a", *residents, alpha=1.3, telemetry=hb(1.0, usage=0.3))], items))
     assert d.alpha == {"a": 1.0} and d.admissions == []
@@ -391,12 +424,22 @@ def test_paced_variant_admits_a_fast_workload_only_up_to_its_share_of_completion
 
 # -- placement -------------------------------------------------------------------------------
 
-def test_grpo_group_lands_on_one_backend() -> None:
-    policy = make_policy("misa_t")
-    group = [pending(f"g-{i}", workload="rlvr", group="g", size=8, prompt=160) for i in range(8)]
-    d = policy.decide(snap([view("a"), view("b"), view("c")], group, target={"rlvr": 1.0}))
-    assert len(d.admissions) == 8
-    assert len({a.backend_id for a in d.admissions}) == 1
+def test_grpo_group_stays_together_until_it_would_overload_one_decode_batch() -> None:
+    def place(size: int) -> dict[str, int]:
+        policy = make_policy("misa_t")
+        group = [pending(f"g-{i}", workload="rlvr", group="g", size=size, prompt=160)
+                 for i in range(size)]
+        d = policy.decide(snap([view("a"), view("b"), view("c")], group, target={"rlvr": 1.0}))
+        assert len(d.admissions) == size
+        out: dict[str, int] = {}
+        for a in d.admissions:
+            out[a.backend_id] = out.get(a.backend_id, 0) + 1
+        return out
+
+    slack = MisaTConfig().balance_slack_sessions
+    assert len(place(slack + 1)) == 1  # one prefill of the shared prompt, a batch still even
+    spread = place(24)  # 24 on one engine while two sit idle: split, each part together
+    assert len(spread) == 3 and max(spread.values()) - min(spread.values()) <= slack + 1
 
 
 def test_group_that_fits_nowhere_whole_is_split_rather_than_left_waiting() -> None:
