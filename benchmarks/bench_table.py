@@ -1,4 +1,4 @@
-"""Markdown tables from `rollout-broker bench --json` files (how docs/misa-t.md §3a is made).
+"""Markdown tables from `rollout-broker bench --json` files (how the tables of docs/misa-t.md §1b are made).
 
     python benchmarks/bench_table.py OUT.json [OUT2.json ...]
 

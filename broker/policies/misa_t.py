@@ -79,7 +79,7 @@ class MisaTConfig:
     # Mixture pacing (misa_t_control.CompletionPacer), off at inf: a workload in `pace_scope`
     # ("fast": finishing sooner than the mixture's mean session; "all") whose share of the
     # expected completion rate is above (1 + pace_tolerance)·π_w admits nothing more while
-    # others run. It trades throughput for drift in fifo consumption (docs §0d); the
+    # others run. It trades throughput for drift in fifo consumption (docs/misa-t.md §5, revision 6); the
     # `misa_t-paced` variant sets 0 and "fast".
     pace_tolerance: float = math.inf
     pace_scope: str = "fast"
@@ -586,5 +586,5 @@ register_factory("misa_t-allocation", _variant("misa_t-allocation", workload_all
 register_factory("misa_t-residency", _variant("misa_t-residency", residency_accounting=False))
 # Not an ablation: MISA-T with mixture pacing, for fifo trainers that keep enough sessions in
 # flight to fill the KV cache; where the trainer's buffer is the limit it costs throughput
-# (docs §0d).
+# (docs/misa-t.md §5, revision 6).
 register_factory("misa_t-paced", _variant("misa_t-paced", pace_tolerance=0.0))

@@ -170,7 +170,7 @@ class CompletionPacer:
     session (d_w < Σ π_v·d_v): their admissions land in the next batches, and holding one back
     costs seconds of its own work. Holding back a slow workload idles its KV for minutes and
     shapes completions too far ahead to steer the next batches. Scope `all` paces every
-    workload (docs/misa-t.md §0d measures both).
+    workload (docs/misa-t.md §5, revision 6, and its git history measure both).
     """
 
     target: Mapping[str, float]  # π_w
