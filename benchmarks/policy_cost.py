@@ -31,6 +31,7 @@ from broker.policies.base import (
     Snapshot,
     Telemetry,
 )
+from broker.policies.misa_t_control import AimdParams
 
 CAPACITY = 690_000
 MIX = {"rlvr": 0.5, "rlhf": 0.3, "agentic": 0.2}
@@ -90,10 +91,12 @@ def completion(i: int, rng: random.Random) -> Completion:
     )
 
 
+# Between MISA-T's target usage and its watermark, so α holds still and the room stays a few dozen.
+HELD_USAGE = (AimdParams().kv_target + AimdParams().kv_high) / 2
+
+
 def telemetry(at: float) -> Telemetry:
-    # 0.98: between the target usage (0.97) and the watermark (0.99), so α holds still and the
-    # room stays a few dozen.
-    return Telemetry(at=at, kv_usage=0.98, running=30, waiting=0, preemptions_total=0,
+    return Telemetry(at=at, kv_usage=HELD_USAGE, running=30, waiting=0, preemptions_total=0,
                      prefix_queries_total=0, prefix_hits_total=0)
 
 

@@ -79,8 +79,8 @@ class MisaTConfig:
     # Mixture pacing (misa_t_control.CompletionPacer), off at inf: a workload in `pace_scope`
     # ("fast": finishing sooner than the mixture's mean session; "all") whose share of the
     # expected completion rate is above (1 + pace_tolerance)·π_w admits nothing more while
-    # others run. It trades throughput for drift in fifo consumption (docs/misa-t.md §5, revision 6); the
-    # `misa_t-paced` variant sets 0 and "fast".
+    # others run. It trades throughput for drift in fifo consumption (docs/misa-t.md §5,
+    # revision 6); the `misa_t-paced` variant sets 0 and "fast".
     pace_tolerance: float = math.inf
     pace_scope: str = "fast"
     locality_slack: float = 0.15  # prefer a prefix match only within this KV utilisation of the least used ...
@@ -535,7 +535,7 @@ class MisaT(Policy):
                 if b.running < least:
                     least = b.running
         run_floor = least + max(cfg.balance_slack_sessions,
-                                cfg.balance_slack_frac * self._running_mean())
+                                cfg.balance_slack_frac * self._running / self._healthy)
         matched = self.prefix.matches(key) if key is not None and key.hashes else None
         best, best_rank = None, None
         for b in near:
@@ -546,9 +546,6 @@ class MisaT(Policy):
             if best_rank is None or rank > best_rank:
                 best, best_rank = b, rank
         return best, best_rank[0]
-
-    def _running_mean(self) -> float:
-        return self._running / self._healthy
 
     def _place(
         self,
