@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated
 
@@ -51,15 +52,31 @@ TERMINAL_STATES = frozenset({SessionState.done, SessionState.failed, SessionStat
                              SessionState.dead_lettered})
 
 
+StopString = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+
+
 class SamplingParams(BaseModel):
-    """The subset of vLLM's sampling parameters a rollout uses."""
+    """The subset of vLLM's sampling parameters a rollout uses, with vLLM's names and meanings.
+
+    `logprobs` asks the engine for the logprob of every sampled token (vLLM's `logprobs: 0`);
+    they come back per turn in `TurnRecord.output_logprobs`, where importance-sampling
+    corrections need them. There is no `n`: a session is one sample, and n samples of one
+    prompt are a GRPO group (`group_size` sessions sharing a `group_id`).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     temperature: Annotated[FiniteFloat, Field(ge=0.0, le=10.0)] = 1.0
     top_p: Annotated[FiniteFloat, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[StrictInt, Field(ge=-1)] = 0  # 0 or -1: off
+    min_p: Annotated[FiniteFloat, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[FiniteFloat, Field(gt=0.0, le=10.0)] = 1.0
+    stop: Annotated[list[StopString], Field(max_length=16)] = Field(default_factory=list)
+    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]],
+                              Field(max_length=64)] = Field(default_factory=list)
     seed: StrictInt | None = None
     ignore_eos: StrictBool = False
+    logprobs: StrictBool = True
 
 
 class Session(BaseModel):
@@ -164,8 +181,49 @@ class Session(BaseModel):
         return max(1, len(self.prompt_text or "") // 4)
 
 
+class TurnRecord(BaseModel):
+    """One turn of a session, as a trainer trains on it.
+
+    `input_token_ids` are the tokens that entered the context before this turn's output: the
+    prompt (turn 0, as the engine tokenized it) or the tool's observation after the previous
+    turn. The session's whole token sequence is every record's input then output, in order.
+    `policy_version` is the version of the weights that generated `output_token_ids`.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    turn: int
+    input_token_ids: list[int] = Field(default_factory=list)
+    output_token_ids: list[int] = Field(default_factory=list)
+    output_logprobs: list[float] | None = None  # one per output token; None when not requested
+    finish_reason: str | None = None  # the engine's: "stop" (EOS or a stop condition), "length"
+    policy_version: int = 0
+
+    @model_validator(mode="after")
+    def _one_logprob_per_token(self) -> TurnRecord:
+        if self.output_logprobs is not None and len(self.output_logprobs) != len(
+                self.output_token_ids):
+            raise ValueError(f"output_logprobs: {len(self.output_logprobs)} logprobs for "
+                             f"{len(self.output_token_ids)} output tokens")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class Trajectory:
+    """A session as one token sequence: `loss_mask` is 1 on tokens the model generated and 0 on
+    prompt and observation tokens; `logprobs` and `policy_versions` hold the sampled token's
+    logprob and the weights' version on model tokens (0.0 and -1 elsewhere, and logprobs 0.0
+    where none were requested)."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+
+
 class SessionResult(BaseModel):
-    """What the trainer reads back: exactly one per session."""
+    """What the trainer reads back: exactly one per session. `turn_records` hold its tokens
+    turn by turn; `trajectory()` lays them out as one sequence with a loss mask."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -178,10 +236,30 @@ class SessionResult(BaseModel):
     prompt_tokens: int = 0  # tokens of the first turn's prompt
     output_tokens: int = 0  # tokens the model generated, summed over turns
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, summed over turns
-    output_token_ids: list[list[int]] = Field(default_factory=list)  # per turn
+    turn_records: list[TurnRecord] = Field(default_factory=list)
     reward: float | None = None
     error: str | None = None
     enqueued_at: float | None = None
     admitted_at: float | None = None
     finished_at: float | None = None
-    policy_version: int = 0
+    policy_version: int = 0  # the session's, as enqueued
+
+    @property
+    def output_token_ids(self) -> list[list[int]]:
+        """The generated ids of each turn."""
+        return [t.output_token_ids for t in self.turn_records]
+
+    def trajectory(self) -> Trajectory:
+        tokens: list[int] = []
+        mask: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        for t in self.turn_records:
+            n_in, n_out = len(t.input_token_ids), len(t.output_token_ids)
+            tokens += t.input_token_ids
+            tokens += t.output_token_ids
+            mask += [0] * n_in + [1] * n_out
+            logprobs += [0.0] * n_in
+            logprobs += t.output_logprobs if t.output_logprobs is not None else [0.0] * n_out
+            versions += [-1] * n_in + [t.policy_version] * n_out
+        return Trajectory(tokens, mask, logprobs, versions)

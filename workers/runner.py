@@ -25,7 +25,7 @@ import httpx
 
 from broker.heartbeat import SessionProgress
 from broker.policies.base import kv_token_seconds
-from broker.session import Session, SessionResult, SessionState
+from broker.session import Session, SessionResult, SessionState, TurnRecord
 from broker.worker_link import CompletionStats
 from workers.tools import (
     RewardCall,
@@ -75,6 +75,7 @@ class Progress:
 class Turn:
     prompt_tokens: int
     output_token_ids: list[int]
+    output_logprobs: list[float] | None  # the sampled tokens' (None: not requested)
     cached_tokens: int  # usage.prompt_tokens_details.cached_tokens
     finish_reason: str | None
     wall_s: float
@@ -91,6 +92,16 @@ def _sim_output_len(session: Session, turn: int) -> int | None:
     """A simulated session's true output length for `turn` (metadata `sim_output_tokens`)."""
     n = per_turn_value(session.metadata, "sim_output_tokens", turn)
     return None if n is None else int(n)
+
+
+def _sampled_logprobs(choice: dict, tokens: int) -> list[float]:
+    """The sampled tokens' logprobs from a completions choice (`logprobs.token_logprobs`)."""
+    values = (choice.get("logprobs") or {}).get("token_logprobs")
+    if values is None or len(values) != tokens or any(v is None for v in values):
+        got = "none" if values is None else f"{len(values)}"
+        raise EngineError(f"engine: reply has {got} logprobs for {tokens} output tokens "
+                          "(it must honour the completions API's `logprobs`)")
+    return [float(v) for v in values]
 
 
 class SessionRunner:
@@ -110,9 +121,16 @@ class SessionRunner:
         """One turn; returns it and the prompt's token ids (as the engine tokenized them)."""
         s = session.sampling
         body: dict = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                      "temperature": s.temperature, "top_p": s.top_p, "ignore_eos": s.ignore_eos,
-                      "return_token_ids": True,
+                      "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                      "min_p": s.min_p, "repetition_penalty": s.repetition_penalty,
+                      "ignore_eos": s.ignore_eos, "return_token_ids": True,
                       "request_id": f"{session.session_id}-t{turn}"}
+        if s.stop:
+            body["stop"] = list(s.stop)
+        if s.stop_token_ids:
+            body["stop_token_ids"] = list(s.stop_token_ids)
+        if s.logprobs:
+            body["logprobs"] = 0  # the sampled token's logprob only
         if s.seed is not None:
             body["seed"] = s.seed + turn
         sim_len = _sim_output_len(session, turn)
@@ -128,7 +146,9 @@ class SessionRunner:
             raise EngineError("engine: reply has no token_ids (does it support return_token_ids?)")
         prompt_ids = choice.get("prompt_token_ids") or (prompt if isinstance(prompt, list) else [])
         turn_rec = Turn(prompt_tokens=int(usage.get("prompt_tokens", len(prompt_ids))),
-                        output_token_ids=list(ids), cached_tokens=int(details.get("cached_tokens") or 0),
+                        output_token_ids=list(ids),
+                        output_logprobs=_sampled_logprobs(choice, len(ids)) if s.logprobs else None,
+                        cached_tokens=int(details.get("cached_tokens") or 0),
                         finish_reason=choice.get("finish_reason"),
                         wall_s=time.monotonic() - started)
         return turn_rec, list(prompt_ids)
@@ -160,6 +180,8 @@ class SessionRunner:
         engine's."""
         progress = progress or Progress(session.session_id)
         turns: list[Turn] = []
+        records: list[TurnRecord] = []
+        observation: list[int] = []  # the tool's reply after the previous turn
         tool_wait = 0.0
         waits: list[tuple[int, float]] = []  # (history tokens, seconds) while a tool ran
         prompt_tokens = 0
@@ -185,6 +207,13 @@ class SessionRunner:
                 turns.append(rec)
                 if turn == 0:
                     prompt_tokens = rec.prompt_tokens
+                    fed = prompt_ids
+                else:
+                    fed = observation
+                records.append(TurnRecord(
+                    turn=turn, input_token_ids=fed, output_token_ids=rec.output_token_ids,
+                    output_logprobs=rec.output_logprobs, finish_reason=rec.finish_reason,
+                    policy_version=session.policy_version))
                 history = prompt_ids + rec.output_token_ids
                 progress.generated_tokens += len(rec.output_token_ids)
                 progress.context_tokens = len(history)
@@ -205,7 +234,8 @@ class SessionRunner:
                 progress.waiting_on_tool = False
                 if outcome.done:
                     break
-                history = history + outcome.observation_token_ids
+                observation = list(outcome.observation_token_ids)
+                history = history + observation
             if session.reward is not None:
                 progress.waiting_on_tool = True
                 reward = await self.tools.score(RewardCall(
@@ -229,7 +259,7 @@ class SessionRunner:
             prompt_tokens=prompt_tokens,
             output_tokens=sum(len(t.output_token_ids) for t in turns),
             cached_tokens=sum(t.cached_tokens for t in turns),
-            output_token_ids=[t.output_token_ids for t in turns], reward=reward, error=error,
+            turn_records=records, reward=reward, error=error,
             policy_version=session.policy_version)
         kv_seconds = kv_token_seconds(
             [(t.prompt_tokens, len(t.output_token_ids), t.wall_s) for t in turns], waits)

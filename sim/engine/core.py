@@ -148,12 +148,35 @@ class EngineCore:
             stop = req.output_len
         else:
             stop = eos_length(req.token_seed, p.eos_median, p.eos_sigma)
+        if req.output_len is None:
+            stop = max(stop, req.min_tokens)  # vLLM holds back EOS until min_tokens
         req.stop_len = min(stop, req.max_tokens, self.max_model_len - req.num_prompt_tokens)
+        if req.stop_token_ids or req.stop_scan is not None:
+            self._apply_stop_conditions(req)
         t = max(req.arrival_time, self.now)
         req.arrival_time = t
         self._cut_decode_run(t)
         self.requests[req.request_id] = req
         heapq.heappush(self._arrivals, (t, next(self._seq), req))
+
+    @staticmethod
+    def _apply_stop_conditions(req: EngineRequest) -> None:
+        """End the request at its first stop token id or stop string, if one comes before
+        `stop_len`: output ids are a pure function of the seed, so where they stop is known
+        when the request arrives and the engine never computes tokens past it."""
+        ids = req.output_token_ids_upto(req.stop_len)
+        hit: tuple[int, int | str] | None = None
+        if req.stop_token_ids:
+            for i in range(req.min_tokens, len(ids)):  # masked before min_tokens
+                if ids[i] in req.stop_token_ids:
+                    hit = (i + 1, ids[i])
+                    break
+        if req.stop_scan is not None:
+            found = req.stop_scan(ids[: hit[0]] if hit else ids, req.min_tokens)
+            if found is not None and (hit is None or found[0] < hit[0]):
+                hit = found
+        if hit is not None:
+            req.stop_len, req.stop_reason = hit
 
     def abort_request(self, request_id: str) -> EngineRequest | None:
         """Abort at the next step boundary (a step in flight completes first, as in vLLM)."""
@@ -443,7 +466,9 @@ class EngineCore:
         elif req in sch.waiting:
             sch.waiting.remove(req)
         self.kv.free(req)
-        if reason is None:
+        if reason is None and req.stop_reason is not None:
+            reason = FinishReason.stop
+        elif reason is None:
             capped = req.stop_len == req.max_tokens or req.num_tokens >= self.max_model_len
             reason = FinishReason.length if capped or req.ignore_eos else FinishReason.stop
         req.status = RequestStatus.finished

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 
 from sim.engine.block_pool import Block
+
+# (output token ids, min_tokens) -> (output tokens up to and including the one that completes a
+# stop condition, what stopped it), or None when nothing in them does.
+StopScan = Callable[[list[int], int], tuple[int, int | str] | None]
 
 
 class FinishReason(StrEnum):
@@ -33,12 +38,15 @@ class EngineRequest:
         "arrival_time", "stop_len", "num_prompt_tokens", "num_output_tokens",
         "num_computed_tokens", "blocks", "block_hashes", "status", "num_cached_tokens",
         "num_preemptions", "first_token_time", "finish_time", "finish_reason", "token_seed",
-        "_output_ids", "num_cached_blocks", "vocab_size", "num_tokens",
+        "_output_ids", "num_cached_blocks", "vocab_size", "num_tokens", "min_tokens",
+        "stop_token_ids", "stop_scan", "stop_reason",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
                  output_len: int | None = None, ignore_eos: bool = False, seed: int | None = None,
-                 arrival_time: float = 0.0, prefix_block_hashes: list[int] | None = None) -> None:
+                 arrival_time: float = 0.0, prefix_block_hashes: list[int] | None = None,
+                 min_tokens: int = 0, stop_token_ids: frozenset[int] = frozenset(),
+                 stop_scan: StopScan | None = None) -> None:
         """`prefix_block_hashes`: chained hashes of the prompt's leading full blocks when the
         caller already has them — an in-process driver passes the previous turn's hashes for
         the next turn of a conversation, so a long history is not hashed again. They must be
@@ -50,6 +58,12 @@ class EngineRequest:
         self.ignore_eos = ignore_eos
         self.seed = seed
         self.arrival_time = arrival_time
+        # vLLM's stop conditions, none checked before `min_tokens` output tokens: an id in
+        # `stop_token_ids`, and whatever `stop_scan` finds in the output (stop strings: the
+        # server knows the tokenizer, the engine does not).
+        self.min_tokens = min_tokens
+        self.stop_token_ids = stop_token_ids
+        self.stop_scan = stop_scan
         # Engine state.
         self.stop_len = 0  # output tokens at which it will finish (set on add)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -65,6 +79,7 @@ class EngineRequest:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or string that ended it
         self.token_seed = 0  # seeds output token ids (set on add)
         self.vocab_size = 151_936  # the engine's vocabulary (set on add)
         self.num_cached_blocks = 0  # leading blocks of `blocks` already offered to the cache
@@ -76,17 +91,27 @@ class EngineRequest:
 
     @property
     def output_token_ids(self) -> list[int]:
-        """The generated ids so far (materialised on demand: they are a pure function of
-        the request's seed and position)."""
+        """The generated ids so far."""
+        return self.output_token_ids_upto(self.num_output_tokens)
+
+    def output_token_ids_upto(self, n: int) -> list[int]:
+        """The ids at output positions [0, n), generated or not yet (materialised on demand:
+        they are a pure function of the request's seed and position)."""
         from sim.engine.sampling import output_token_ids
 
         ids = self._output_ids
-        if ids is None or len(ids) < self.num_output_tokens:
+        if ids is None or len(ids) < n:
             have = [] if ids is None else ids
-            ids = have + output_token_ids(self.token_seed, len(have), self.num_output_tokens,
-                                          self.vocab_size)
+            ids = have + output_token_ids(self.token_seed, len(have), n, self.vocab_size)
             self._output_ids = ids
-        return ids[: self.num_output_tokens]
+        return ids[:n]
+
+    @property
+    def output_logprobs(self) -> list[float]:
+        """Logprobs of the generated ids (as deterministic as the ids)."""
+        from sim.engine.sampling import output_logprobs
+
+        return output_logprobs(self.token_seed, 0, self.num_output_tokens)
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

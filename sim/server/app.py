@@ -140,7 +140,8 @@ def _add_generation_routes(app: FastAPI) -> None:
         prompts, limits = P.completion_inputs(req, s.tokenizer, s.profile.vocab_size,
                                               s.max_model_len)
         request_id = f"cmpl-{req.request_id or random_uuid()}"
-        gen = serving.start_generation(s.driver, request_id, s.model_name, prompts, limits, req)
+        gen = serving.start_generation(s.driver, request_id, s.model_name, prompts, limits, req,
+                                       s.tokenizer)
         echo = bool(req.echo)
         if req.stream:
             return StreamingResponse(serving.completion_stream(s.driver, gen, s.tokenizer, req,
@@ -154,7 +155,8 @@ def _add_generation_routes(app: FastAPI) -> None:
         s.check_model(req.model)
         prompt, limit = P.chat_inputs(req, s.tokenizer, s.max_model_len)
         request_id = f"chatcmpl-{req.request_id or random_uuid()}"
-        gen = serving.start_generation(s.driver, request_id, s.model_name, [prompt], [limit], req)
+        gen = serving.start_generation(s.driver, request_id, s.model_name, [prompt], [limit], req,
+                                       s.tokenizer)
         if req.stream:
             return StreamingResponse(serving.chat_stream(s.driver, gen, s.tokenizer, req),
                                      media_type="text/event-stream")

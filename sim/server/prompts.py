@@ -64,12 +64,50 @@ def chat_prompt(messages: list[ChatMessageParam], add_generation_prompt: bool,
     return Prompt(tok.encode(text), text)
 
 
+MAX_LOGPROBS = 20  # vLLM's default `--max-logprobs`
+
+
 def check_sampling(req: SamplingFields) -> None:
+    """vLLM's SamplingParams checks, with the field named."""
     if req.n < 1:
         raise ApiError(f"n must be at least 1, got {req.n}.", param="n")
     if req.sim_output_len is not None and req.sim_output_len < 1:
         raise ApiError(f"sim_output_len must be at least 1, got {req.sim_output_len}.",
                        param="sim_output_len")
+    if req.top_k is not None and req.top_k < -1:
+        raise ApiError(f"top_k must be 0 or -1 (disable), or at least 1, got {req.top_k}.",
+                       param="top_k")
+    if req.min_p is not None and not 0.0 <= req.min_p <= 1.0:
+        raise ApiError(f"min_p must be in [0, 1], got {req.min_p}.", param="min_p")
+    if req.repetition_penalty is not None and req.repetition_penalty <= 0.0:
+        raise ApiError("repetition_penalty must be greater than zero, got "
+                       f"{req.repetition_penalty}.", param="repetition_penalty")
+    if req.min_tokens < 0:
+        raise ApiError(f"min_tokens must be greater than or equal to 0, got {req.min_tokens}.",
+                       param="min_tokens")
+    if "" in stop_strings(req):
+        raise ApiError("stop cannot contain an empty string.", param="stop")
+    if any(t < 0 for t in req.stop_token_ids or ()):
+        raise ApiError("stop_token_ids must be non-negative token ids.", param="stop_token_ids")
+    wanted, field = requested_logprobs(req)
+    if wanted is not None and wanted < 0:
+        raise ApiError(f"{field} must be a non-negative value, got {wanted}.", param=field)
+    if wanted is not None and wanted > MAX_LOGPROBS:
+        raise ApiError(f"Requested sample logprobs of {wanted}, which is greater than max "
+                       f"allowed: {MAX_LOGPROBS}", param=field)
+
+
+def stop_strings(req: SamplingFields) -> list[str]:
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+
+
+def requested_logprobs(req: SamplingFields) -> tuple[int | None, str]:
+    """How many alternatives per token the request wants besides the sampled token's logprob
+    (None: no logprobs), and the field that asks: completions' `logprobs: k`, chat's
+    `logprobs: true` with `top_logprobs: k`."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs"
+    return getattr(req, "logprobs", None), "logprobs"
 
 
 def check_token_ids(prompt: Prompt, vocab_size: int, field: str) -> None:
@@ -134,8 +172,13 @@ def sampling_params(req: SamplingFields, max_tokens: int) -> dict[str, Any]:
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "top_k": 0 if req.top_k is None else req.top_k,
+        "min_p": 0.0 if req.min_p is None else req.min_p,
+        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
         "seed": req.seed,
-        "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        "stop": stop_strings(req),
+        "stop_token_ids": list(req.stop_token_ids or []),
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "logprobs": requested_logprobs(req)[0],
         "ignore_eos": req.ignore_eos,
         "max_tokens": max_tokens,
         "min_tokens": req.min_tokens,

@@ -2,9 +2,11 @@
 
 Shapes follow vLLM's `vllm/entrypoints/openai/{completion,chat_completion,engine}/protocol.py`
 and `serve/disagg/protocol.py` (render). Requests accept unknown fields (vLLM logs and ignores
-them), so clients written for real vLLM work unchanged; the sampling knobs that have no effect on
-the simulator (temperature, top_p, ...) are accepted and echoed where vLLM echoes them. One extra
-field, `sim_output_len`, fixes the output length; real vLLM ignores it.
+them), so clients written for real vLLM work unchanged. Stop conditions (`stop`,
+`stop_token_ids`, `min_tokens`) end outputs as in vLLM and logprobs come back in vLLM's shapes;
+the knobs that change no simulated token (temperature, top_p, top_k, min_p, repetition_penalty)
+are validated and echoed where vLLM echoes them. One extra field, `sim_output_len`, fixes the
+output length; real vLLM ignores it.
 """
 
 from __future__ import annotations
@@ -54,7 +56,11 @@ class SamplingFields(OpenAIBaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -70,6 +76,7 @@ class SamplingFields(OpenAIBaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: list[TokenId] | list[list[TokenId]] | str | list[str] | None = None
+    logprobs: int | None = None  # the sampled token's logprob plus this many alternatives
     max_tokens: int | None = 16
     echo: bool | None = False
     add_special_tokens: bool = True
@@ -86,6 +93,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
@@ -123,10 +132,31 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -161,7 +191,7 @@ class ChatMessage(OpenAIBaseModel):
 class ChatCompletionResponseChoice(OpenAIBaseModel):
     index: int
     message: ChatMessage
-    logprobs: None = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -186,7 +216,7 @@ class DeltaMessage(OpenAIBaseModel):
 class ChatCompletionStreamChoice(OpenAIBaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None

@@ -10,19 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import time
+from bisect import bisect_left
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from itertools import accumulate
 
-from sim.engine.request import EngineRequest
+from sim.engine.request import EngineRequest, StopScan
+from sim.engine.sampling import top_alternatives
 from sim.server.driver import EngineDriver
 from sim.server.errors import ApiError
-from sim.server.prompts import Prompt
+from sim.server.prompts import Prompt, requested_logprobs, stop_strings
 from sim.server.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
+    CompletionLogProbs,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
@@ -55,9 +62,38 @@ class Generation:
                          prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached))
 
 
+def stop_string_scan(tok: SimTokenizer, stops: list[str]) -> StopScan | None:
+    """Where the output first contains one of `stops`, in output tokens up to and including
+    the one that completes it (vLLM checks stop strings on the detokenized text as it grows,
+    not before `min_tokens` tokens)."""
+    if not stops:
+        return None
+
+    def scan(ids: list[int], min_tokens: int) -> tuple[int, int | str] | None:
+        pieces = [tok.piece(i) for i in ids]
+        ends = list(accumulate(len(p) for p in pieces))
+        text = "".join(pieces)
+        best: tuple[int, int | str] | None = None
+        for stop in stops:
+            at = text.find(stop)
+            while at != -1:
+                tokens = bisect_left(ends, at + len(stop)) + 1
+                if tokens >= min_tokens:
+                    if best is None or tokens < best[0]:
+                        best = (tokens, stop)
+                    break
+                at = text.find(stop, at + 1)
+        return best
+
+    return scan
+
+
 def start_generation(driver: EngineDriver, request_id: str, model: str, prompts: list[Prompt],
-                     max_tokens: list[int], req: SamplingFields) -> Generation:
+                     max_tokens: list[int], req: SamplingFields,
+                     tok: SimTokenizer) -> Generation:
     gen = Generation(request_id=request_id, model=model, prompts=prompts, n=req.n, requests=[])
+    scan = stop_string_scan(tok, stop_strings(req))
+    stop_ids = frozenset(req.stop_token_ids or ())
     for p, prompt in enumerate(prompts):
         for i in range(req.n):
             gen.requests.append(EngineRequest(
@@ -67,6 +103,9 @@ def start_generation(driver: EngineDriver, request_id: str, model: str, prompts:
                 output_len=req.sim_output_len,
                 ignore_eos=req.ignore_eos,
                 seed=None if req.seed is None else req.seed + i,
+                min_tokens=req.min_tokens,
+                stop_token_ids=stop_ids,
+                stop_scan=scan,
             ))
     try:
         for r in gen.requests:
@@ -104,24 +143,84 @@ async def finished_in_order(driver: EngineDriver, gen: Generation) -> AsyncItera
         abort(driver, gen)
 
 
-def _text(tok: SimTokenizer, r: EngineRequest, skip_special: bool) -> str:
-    return tok.decode(r.output_token_ids, skip_special_tokens=skip_special)
+def _text(tok: SimTokenizer, r: EngineRequest, req: SamplingFields) -> str:
+    """The output text; a stop string that ended it is cut off with what follows it, unless
+    `include_stop_str_in_output` (vLLM's detokenizer does the same)."""
+    text = tok.decode(r.output_token_ids, skip_special_tokens=req.skip_special_tokens)
+    if isinstance(r.stop_reason, str) and not req.include_stop_str_in_output:
+        at = text.rfind(r.stop_reason)
+        if at != -1:
+            text = text[:at]
+    return text
 
 
 def _reason(r: EngineRequest) -> str | None:
     return None if r.finish_reason is None else str(r.finish_reason)
 
 
+def _token_str(tok: SimTokenizer, token_id: int, req: SamplingFields) -> str:
+    return f"token_id:{token_id}" if req.return_tokens_as_token_ids else tok.piece(token_id)
+
+
+def _alternatives(tok: SimTokenizer, r: EngineRequest, k: int
+                  ) -> list[list[tuple[int, float]]]:
+    """Per output position: (token id, logprob) of the sampled token, then its k most likely
+    alternatives."""
+    out = []
+    for pos, (tid, lp) in enumerate(zip(r.output_token_ids, r.output_logprobs)):
+        alts = top_alternatives(r.token_seed, pos, tid, lp, k, tok.vocab_size)
+        out.append([(tid, lp), *alts])
+    return out
+
+
+def completion_logprobs(tok: SimTokenizer, r: EngineRequest, k: int, req: SamplingFields,
+                        offset: int) -> CompletionLogProbs:
+    """vLLM's completions `logprobs` object: the sampled tokens, their logprobs, their text
+    offsets (after the echoed prompt's, when echoing) and per position a dict of the sampled
+    token and its k most likely alternatives."""
+    steps = _alternatives(tok, r, k)
+    out = CompletionLogProbs()
+    for step in steps:
+        tid, lp = step[0]
+        piece = tok.piece(tid)
+        out.tokens.append(_token_str(tok, tid, req))
+        out.token_logprobs.append(lp)
+        out.text_offset.append(offset)
+        offset += len(piece)
+        out.top_logprobs.append({_token_str(tok, t, req): v for t, v in step})
+    return out
+
+
+def chat_logprobs(tok: SimTokenizer, r: EngineRequest, k: int,
+                  req: SamplingFields) -> ChatCompletionLogProbs:
+    """vLLM's chat `logprobs`: one entry per sampled token, with its `top_logprobs` alternatives
+    (k of them, the sampled token first when it is among them, as vLLM lists the top k)."""
+    content = []
+    for step in _alternatives(tok, r, k):
+        tid, lp = step[0]
+        ranked = sorted(step, key=lambda e: -e[1])[:k]
+        content.append(ChatCompletionLogProbsContent(
+            token=_token_str(tok, tid, req), logprob=lp,
+            bytes=list(tok.piece(tid).encode("utf-8")),
+            top_logprobs=[ChatCompletionLogProb(token=_token_str(tok, t, req), logprob=v,
+                                                bytes=list(tok.piece(t).encode("utf-8")))
+                          for t, v in ranked]))
+    return ChatCompletionLogProbs(content=content)
+
+
 def completion_choice(gen: Generation, index: int, tok: SimTokenizer, req: SamplingFields,
                       echo: bool) -> CompletionResponseChoice:
     r = gen.requests[index]
     prompt = gen.prompts[index // gen.n]
-    text = _text(tok, r, req.skip_special_tokens)
+    text = _text(tok, r, req)
+    prefix = ""
     if echo:
-        text = (prompt.text if prompt.text is not None else tok.decode(prompt.token_ids)) + text
+        prefix = prompt.text if prompt.text is not None else tok.decode(prompt.token_ids)
     want_ids = bool(req.return_token_ids)
+    k = requested_logprobs(req)[0]
     return CompletionResponseChoice(
-        index=index, text=text, finish_reason=_reason(r),
+        index=index, text=prefix + text, finish_reason=_reason(r), stop_reason=r.stop_reason,
+        logprobs=None if k is None else completion_logprobs(tok, r, k, req, len(prefix)),
         token_ids=list(r.output_token_ids) if want_ids else None,
         prompt_token_ids=list(prompt.token_ids) if want_ids else None)
 
@@ -135,11 +234,13 @@ def completion_response(gen: Generation, tok: SimTokenizer, req: SamplingFields,
 
 def chat_response(gen: Generation, tok: SimTokenizer, req: SamplingFields) -> ChatCompletionResponse:
     want_ids = bool(req.return_token_ids)
+    k = requested_logprobs(req)[0]
     choices = [
         ChatCompletionResponseChoice(
-            index=i, message=ChatMessage(role="assistant",
-                                         content=_text(tok, r, req.skip_special_tokens)),
-            finish_reason=_reason(r), token_ids=list(r.output_token_ids) if want_ids else None)
+            index=i, message=ChatMessage(role="assistant", content=_text(tok, r, req)),
+            finish_reason=_reason(r), stop_reason=r.stop_reason,
+            logprobs=None if k is None else chat_logprobs(tok, r, k, req),
+            token_ids=list(r.output_token_ids) if want_ids else None)
         for i, r in enumerate(gen.requests)
     ]
     return ChatCompletionResponse(id=gen.request_id, created=gen.created, model=gen.model,
@@ -185,9 +286,11 @@ async def chat_stream(driver: EngineDriver, gen: Generation, tok: SimTokenizer,
                                                                            content="")), i == 0)
     async for i in finished_in_order(driver, gen):
         r = gen.requests[i]
+        k = requested_logprobs(req)[0]
         yield chunk(ChatCompletionStreamChoice(
-            index=i, delta=DeltaMessage(content=_text(tok, r, req.skip_special_tokens)),
-            finish_reason=_reason(r),
+            index=i, delta=DeltaMessage(content=_text(tok, r, req)),
+            finish_reason=_reason(r), stop_reason=r.stop_reason,
+            logprobs=None if k is None else chat_logprobs(tok, r, k, req),
             token_ids=list(r.output_token_ids) if want_ids else None), False)
     if _include_usage(req):
         usage = ChatCompletionStreamResponse(id=gen.request_id, created=gen.created,

@@ -7,6 +7,7 @@ no test sees another's prefix-cache entries.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections.abc import Iterator
 
@@ -243,6 +244,69 @@ def test_models_and_health(http: httpx.Client, engine: RunningEngine) -> None:
         [(engine.model_name, 32_768)]
 
 
+# --- logprobs and stop conditions ---------------------------------------------------------------
+
+
+def test_completion_logprobs_cover_every_sampled_token_and_repeat(http: httpx.Client,
+                                                                 engine: RunningEngine) -> None:
+    body = {"model": engine.model_name, "prompt": random_prompt(40, 21), "max_tokens": 30,
+            "ignore_eos": True, "seed": 3, "logprobs": 2, "return_token_ids": True,
+            "return_tokens_as_token_ids": True}
+    first = http.post("/v1/completions", json=body).json()["choices"][0]
+    again = http.post("/v1/completions", json=body).json()["choices"][0]
+    lp = first["logprobs"]
+    assert len(lp["token_logprobs"]) == len(first["token_ids"]) == 30
+    assert lp["tokens"] == [f"token_id:{t}" for t in first["token_ids"]]
+    assert all(v <= 0.0 for v in lp["token_logprobs"])
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    for tok, top, v in zip(lp["tokens"], lp["top_logprobs"], lp["token_logprobs"]):
+        assert len(top) == 3 and top[tok] == v  # the sampled token and 2 alternatives
+        assert sum(math.exp(x) for x in top.values()) <= 1.0 + 1e-9
+    assert again["logprobs"] == lp  # same seed: same tokens, same logprobs
+    plain = http.post("/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]
+    assert plain["logprobs"] is None
+
+
+def test_chat_logprobs_list_each_token_with_its_top_alternatives(client: openai.OpenAI,
+                                                                 engine: RunningEngine) -> None:
+    resp = client.chat.completions.create(
+        model=engine.model_name, messages=[{"role": "user", "content": "count the sheep"}],
+        max_tokens=12, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens == 12
+    assert "".join(c.token for c in content) == resp.choices[0].message.content
+    assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+
+
+def test_stop_token_ids_and_stop_strings_end_the_output_where_vllm_would(
+        http: httpx.Client, engine: RunningEngine) -> None:
+    base = {"model": engine.model_name, "prompt": random_prompt(40, 22), "max_tokens": 200,
+            "ignore_eos": True, "seed": 5, "return_token_ids": True}
+    full = http.post("/v1/completions", json=base).json()["choices"][0]
+    ids, text = full["token_ids"], full["text"]
+    # A stop token id: the output ends with it (vLLM keeps a non-special stop token).
+    at = 17
+    got = http.post("/v1/completions", json={**base, "stop_token_ids": [ids[at]]}).json()
+    choice = got["choices"][0]
+    first = ids.index(ids[at])
+    assert choice["token_ids"] == ids[: first + 1]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", ids[at])
+    assert got["usage"]["completion_tokens"] == first + 1  # the engine generated no more
+    # min_tokens holds it back past its first occurrence.
+    late = http.post("/v1/completions", json={**base, "stop_token_ids": [ids[at]],
+                                               "min_tokens": first + 1}).json()["choices"][0]
+    assert len(late["token_ids"]) > first + 1 or late["finish_reason"] == "length"
+    # A stop string taken from the middle of the text: cut before it, ended by its last token.
+    stop = text[100:106]
+    cut = http.post("/v1/completions", json={**base, "stop": [stop]}).json()["choices"][0]
+    assert cut["text"] == text[: text.find(stop)]
+    assert (cut["finish_reason"], cut["stop_reason"]) == ("stop", stop)
+    assert cut["token_ids"] == ids[: len(cut["token_ids"])]
+    kept = http.post("/v1/completions", json={**base, "stop": [stop],
+                                              "include_stop_str_in_output": True}).json()
+    assert kept["choices"][0]["text"] == text[: text.find(stop) + len(stop)]
+
+
 # --- errors -----------------------------------------------------------------------------------
 
 MAX_LEN = 32_768
@@ -270,6 +334,16 @@ MAX_LEN = 32_768
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
      404, "model", "does not exist"),
     ("/detokenize", {"tokens": [10**7]}, 400, "tokens", "out of vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", "max allowed: 20"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs", "non-negative"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs", "max allowed"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k", "top_k"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, 400, "min_p", "[0, 1]"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty",
+     "greater than zero"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x", ""]}, 400, "stop", "empty string"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens", "min_tokens"),
 ])
 def test_bad_requests_get_vllm_errors_naming_the_field(http: httpx.Client, path: str, body: dict,
                                                        status: int, param: str,

@@ -64,6 +64,43 @@ def test_multi_turn_history_hits_the_prefix_cache_from_turn_two(engine):
     assert out.stats.tool_wait_s > 0
 
 
+def test_turn_records_hold_the_whole_trajectory_with_a_logprob_per_model_token(engine):
+    out = asyncio.run(run(engine.url, agentic("tr1", turns=3, sim_output_tokens="6,8,10")))
+    r = out.result
+    assert r.status == SessionState.done, r.error
+    assert [t.turn for t in r.turn_records] == [0, 1, 2]
+    for t in r.turn_records:
+        assert t.output_logprobs is not None and len(t.output_logprobs) == len(t.output_token_ids)
+        assert all(v <= 0.0 for v in t.output_logprobs)
+        assert t.finish_reason == "stop" and t.policy_version == 0
+    assert r.turn_records[0].input_token_ids == list(range(1, 400))
+    assert all(t.input_token_ids for t in r.turn_records[1:])  # the tool's observations
+    traj = r.trajectory()
+    # The sequence is what the engine saw: the last turn's prompt, then its output.
+    assert len(traj.token_ids) == out.turns[-1].prompt_tokens + 10
+    assert sum(traj.loss_mask) == r.output_tokens == 24
+    model = [tok for tok, m in zip(traj.token_ids, traj.loss_mask) if m]
+    assert model == [tok for ids in r.output_token_ids for tok in ids]
+    assert [lp for lp, m in zip(traj.logprobs, traj.loss_mask) if m] == \
+        [v for t in r.turn_records for v in t.output_logprobs]
+    assert {v for v, m in zip(traj.policy_versions, traj.loss_mask) if not m} == {-1}
+
+
+def test_sampling_stop_token_ids_end_a_turn_and_logprobs_can_be_left_out(engine):
+    first = asyncio.run(run(engine.url, Session(
+        session_id="st1", workload="rlvr", prompt_token_ids=list(range(5, 300)), max_tokens=64,
+        sampling={"seed": 9, "ignore_eos": True}))).result
+    ids = first.turn_records[0].output_token_ids
+    stopped = asyncio.run(run(engine.url, Session(
+        session_id="st2", workload="rlvr", prompt_token_ids=list(range(5, 300)), max_tokens=64,
+        sampling={"seed": 9, "ignore_eos": True, "stop_token_ids": [ids[20]],
+                  "logprobs": False}))).result
+    rec = stopped.turn_records[0]
+    assert rec.output_token_ids == ids[: ids.index(ids[20]) + 1]
+    assert rec.finish_reason == "stop" and rec.output_logprobs is None
+    assert first.turn_records[0].finish_reason == "length"
+
+
 def test_sim_output_lengths_from_metadata(engine):
     s = agentic("a2", turns=3, sim_output_tokens="5,7,9")
     r = asyncio.run(run(engine.url, s)).result
