@@ -139,6 +139,17 @@ class BlockPool:
                 if watched and h in watched:
                     self.watch_dirty = True
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash, as vLLM's reset_prefix_cache: only when no request
+        holds a block (returns False and changes nothing otherwise)."""
+        if len(self.free) != self.num_gpu_blocks - 1:
+            return False
+        for b in self.cached.values():
+            b.block_hash = None
+        self.cached.clear()
+        self.watch_dirty = True
+        return True
+
     def check_invariants(self) -> None:
         for b in self.blocks[1:]:
             assert b.ref_cnt >= 0, b

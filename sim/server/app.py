@@ -1,8 +1,9 @@
 """The FastAPI app: vLLM's HTTP surface over one simulated engine core.
 
 Routes (as vLLM serves them): POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize,
-/v1/completions/render, /v1/chat/completions/render; GET /v1/models, /health, /ping, /version,
-/metrics, /server_info. Nothing is created at import time; `create_app` builds the engine core and
+/v1/completions/render, /v1/chat/completions/render; POST /pause?mode=abort|wait|keep
+(&clear_cache=), /resume and GET /is_paused (RL weight updates: driver.py); GET /v1/models,
+/health, /ping, /version, /metrics, /server_info. Nothing is created at import time; `create_app` builds the engine core and
 the driver task starts with the app's lifespan.
 
 With `fault_injection` (`rollout-broker sim-engine --fault-injection`, for fault drills such as
@@ -17,7 +18,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -115,6 +116,7 @@ def create_app(settings: EngineSettings) -> FastAPI:
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     _add_generation_routes(app)
+    _add_pause_routes(app)
     _add_token_routes(app)
     _add_info_routes(app)
     if settings.fault_injection:
@@ -162,6 +164,23 @@ def _add_generation_routes(app: FastAPI) -> None:
                                      media_type="text/event-stream")
         await serving.wait_all(s.driver, gen)
         return serving.chat_response(gen, s.tokenizer, req)
+
+
+def _add_pause_routes(app: FastAPI) -> None:
+    @app.post("/pause")
+    async def pause(s: StateDep, mode: Literal["abort", "wait", "keep"] = "abort",
+                    clear_cache: bool = True) -> dict[str, str]:
+        await s.driver.pause(mode, clear_cache)
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume(s: StateDep) -> dict[str, str]:
+        s.driver.resume()
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused(s: StateDep) -> dict[str, bool]:
+        return {"is_paused": s.driver.paused}
 
 
 def _add_token_routes(app: FastAPI) -> None:

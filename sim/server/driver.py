@@ -6,7 +6,13 @@ core reports finished is released to its caller once the virtual clock reaches i
 `finish_time`, so latency seen over HTTP matches the simulated step times.
 
 The core is single-threaded and not thread-safe: it is touched only from the event loop thread
-(this task, `submit`, `abort` and `stats` are all called on the loop).
+(this task, `submit`, `abort`, `pause`, `resume` and `stats` are all called on the loop).
+
+Pause and resume follow vLLM's API for weight updates in RL (`POST /pause?mode=`, `/resume`):
+`abort` aborts everything in flight (each caller gets its partial output, finish reason
+"abort"), `wait` lets it finish, `keep` freezes it where it is; the first two then drop the
+prefix cache unless told not to (the weights it was computed with are about to change). While
+paused the engine's clock stands still and new requests wait, to start on resume.
 """
 
 from __future__ import annotations
@@ -38,9 +44,54 @@ class EngineDriver:
         self._seq = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._paused = False
+        self._frozen_at: float | None = None  # wall time the clock stopped (paused)
+        self._held: list[EngineRequest] = []  # submitted while paused: start on resume
 
     def virtual_now(self) -> float:
-        return self._virtual0 + (self._clock() - self._wall0) * self.time_scale
+        wall = self._clock() if self._frozen_at is None else self._frozen_at
+        return self._virtual0 + (wall - self._wall0) * self.time_scale
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def pause(self, mode: str, clear_cache: bool = True) -> None:
+        """Pause generation (see the module docstring); returns once it is paused. A second
+        pause while paused does nothing, as in vLLM."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"mode: must be abort, wait or keep, got {mode!r}")
+        if self._paused:
+            return
+        self._paused = True
+        if mode == "abort":
+            self._catch_up()
+            self.core.abort_all()
+            self._wake.set()
+        if mode != "keep":
+            while self.core.has_unfinished() or self._due:
+                await asyncio.sleep(self.tick_s)
+            if clear_cache:
+                self.core.reset_prefix_cache()
+        self._catch_up()
+        self.core.settle(self.virtual_now())
+        self._catch_up()
+        self._frozen_at = self._clock()
+
+    def resume(self) -> None:
+        """Restart the clock where it stopped and start what was submitted meanwhile."""
+        if not self._paused:
+            return
+        if self._frozen_at is not None:
+            self._wall0 += self._clock() - self._frozen_at
+            self._frozen_at = None
+        self._paused = False
+        held, self._held = self._held, []
+        now = max(self.core.now, self.virtual_now())
+        for request in held:
+            request.arrival_time = now
+            self.core.add_request(request)
+        self._wake.set()
 
     def start(self) -> None:
         assert self._task is None, "driver already started"
@@ -65,9 +116,13 @@ class EngineDriver:
         Raises ValueError("<field>: reason") from the core on bad input, before anything runs.
         """
         assert request.request_id not in self._futures, f"duplicate request id {request.request_id}"
-        self._catch_up()
-        request.arrival_time = max(self.core.now, self.virtual_now())
-        self.core.add_request(request)
+        if self._paused:
+            self.core.validate(request)
+            self._held.append(request)
+        else:
+            self._catch_up()
+            request.arrival_time = max(self.core.now, self.virtual_now())
+            self.core.add_request(request)
         fut: asyncio.Future[EngineRequest] = asyncio.get_running_loop().create_future()
         self._futures[request.request_id] = fut
         self._wake.set()
@@ -75,6 +130,7 @@ class EngineDriver:
 
     def abort(self, request_id: str) -> None:
         """Drop a request whose client went away; its future is cancelled."""
+        self._held = [r for r in self._held if r.request_id != request_id]
         self.core.abort_request(request_id)
         fut = self._futures.pop(request_id, None)
         if fut is not None and not fut.done():
@@ -103,7 +159,9 @@ class EngineDriver:
     async def _run(self) -> None:
         while True:
             self._catch_up()
-            if self.core.has_unfinished() or self._due:
+            if self._frozen_at is not None:
+                await self._wake.wait()  # paused: nothing moves until resume
+            elif self.core.has_unfinished() or self._due:
                 timeout = self.tick_s
                 if self._due and not self.core.has_unfinished():
                     wall_left = (self._due[0][0] - self.virtual_now()) / self.time_scale

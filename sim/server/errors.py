@@ -44,10 +44,10 @@ async def api_error_handler(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
-    """FastAPI's 422 becomes vLLM's 400, naming the first offending body field."""
+    """FastAPI's 422 becomes vLLM's 400, naming the first offending body or query field."""
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query")]
     param = loc[0] if loc else None
     where = ".".join(loc) or "body"
     message = f"{where}: {first.get('msg', 'invalid request')}"
