@@ -17,7 +17,7 @@ from fastapi.staticfiles import StaticFiles
 from api import errors
 from api.history import CounterHistory
 from api.limits import BodyLimit
-from api.routers import dashboard, health, metrics, mixture, sessions, status
+from api.routers import dashboard, health, metrics, mixture, sessions, status, weights
 from api.settings import ApiSettings, check_bind, get_settings
 from api.status import StatusReader
 from broker.keys import Keys
@@ -49,8 +49,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.state.redis_outage = errors.RedisOutage()
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    for r in (status.router, sessions.router, mixture.router, metrics.router, health.router,
-              dashboard.router):
+    for r in (status.router, sessions.router, mixture.router, weights.router, metrics.router,
+              health.router, dashboard.router):
         app.include_router(r)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
     return app

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -63,6 +63,26 @@ class MixtureIn(BaseModel):
 
 class MixturePublic(BaseModel):
     shares: dict[str, float]
+
+
+# -- weight updates ------------------------------------------------------------------------------
+class PauseIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["abort", "wait", "keep"] = "keep"  # vLLM's pause modes
+    timeout_s: Annotated[float, Field(gt=0, le=600, strict=True, allow_inf_nan=False)] = 30.0
+
+
+class ResumeIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: Annotated[int, Field(ge=0, strict=True)]  # the policy version now loaded
+
+
+class WeightsPublic(BaseModel):
+    paused: str  # the pause mode in force; '' while generating
+    version: int | None  # the policy version the engines serve; null before any resume
+    paused_backends: list[str] = Field(default_factory=list)  # engines paused by this call
 
 
 # -- status --------------------------------------------------------------------------------------

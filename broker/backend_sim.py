@@ -3,7 +3,9 @@
 Used by the broker's tests and `benchmarks/broker_throughput.py`, and a minimal reference for a
 real worker's loop. It runs no model: each session finishes after `service_s` seconds with a
 fixed number of output tokens. `stop_heartbeats()` makes it look dead to the broker (its key
-expires); `hold` keeps sessions resident without finishing them.
+expires); `hold` keeps sessions resident without finishing them. It follows weight updates
+(broker/weights.py) as a worker does, at once: it acknowledges each pause on its next beat and
+finishes nothing while paused.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class SimulatedBackend:
         self._beating = threading.Event()
         self._beating.set()
         self._thread: threading.Thread | None = None
+        self.paused = False
+        self._acked_epoch = 0
 
     def start(self) -> SimulatedBackend:
         self.link.register(self.capacity_tokens, self.max_model_len)
@@ -60,6 +64,11 @@ class SimulatedBackend:
         self.link.heartbeat(EngineMetrics(kv_usage=0.0, running=len(self._running), waiting=0,
                                           preemptions_total=0, prefix_queries_total=0,
                                           prefix_hits_total=0), progress)
+        weights = self.link.weights_state()
+        self.paused = bool(weights.paused)
+        if self.paused and weights.epoch > self._acked_epoch:
+            self.link.ack_paused(weights.epoch)
+            self._acked_epoch = weights.epoch
 
     def _loop(self) -> None:
         last_beat = time.monotonic()
@@ -81,7 +90,7 @@ class SimulatedBackend:
             for a, run in zip(fresh, ok):
                 if run:
                     self._running[a.session.session_id] = (a, now)
-            if not self.hold and self._beating.is_set():
+            if not self.hold and not self.paused and self._beating.is_set():
                 self._finish_due(time.monotonic())
 
     def _finish_due(self, now: float) -> None:

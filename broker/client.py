@@ -33,6 +33,7 @@ from broker.queue import SessionQueue, validate_batch
 from broker.redis_conn import Outage, connect, is_outage
 from broker.scripts import Scripts
 from broker.session import DEFAULT_WORKLOADS, Session, SessionResult
+from broker.weights import WeightsState, order_pause, order_resume, read_state, wait_paused
 from broker.streams import BacklogCursor, as_text, ensure_group
 
 MIXTURE_TOLERANCE = 1e-6
@@ -247,6 +248,23 @@ class RolloutClient:
         self._handed += [(eid, r.workload) for eid, r in picked]
         return [r for _, r in picked]
 
+    # -- weight updates -------------------------------------------------------------------------
+    def pause(self, mode: str = "keep", timeout: float = 30.0) -> list[str]:
+        """Stop generation for a weight update (broker/weights.py): admission stops and every
+        live worker pauses its engine with vLLM's `mode` (`abort`, `wait` or `keep`). Returns
+        once all of them have, with their backend ids; TimeoutError names any that did not."""
+        epoch = self._retry(order_pause, self._client, self._scripts, self.keys, mode)
+        return wait_paused(self._client, self.keys, epoch, timeout)
+
+    def resume(self, version: int) -> int:
+        """Generation goes on with the weights of policy `version` (the trainer has loaded
+        them): engines resume, outputs from now on carry `version`, admission restarts."""
+        return self._retry(order_resume, self._client, self._scripts, self.keys, version)
+
+    def weights(self) -> WeightsState:
+        """Whether generation is paused (and how), and the policy version engines serve."""
+        return self._retry(read_state, self._client, self.keys)
+
     # -- cancel and status ----------------------------------------------------------------------
     def cancel(self, session_id: str) -> str:
         """'cancelled', or the state that made it too late ('done', 'failed', 'cancelled',
@@ -336,6 +354,15 @@ class AsyncRolloutClient:
 
     async def cancel(self, session_id: str) -> str:
         return await self._call(self._sync.cancel, session_id)
+
+    async def pause(self, mode: str = "keep", timeout: float = 30.0) -> list[str]:
+        return await self._call(self._sync.pause, mode, timeout)
+
+    async def resume(self, version: int) -> int:
+        return await self._call(self._sync.resume, version)
+
+    async def weights(self) -> WeightsState:
+        return await self._call(self._sync.weights)
 
     async def status(self) -> dict[str, Any]:
         return await self._call(self._sync.status)

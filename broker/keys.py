@@ -121,6 +121,23 @@ class Keys:
         """Hash: <workload> -> results the trainer has acknowledged."""
         return f"{self.prefix}consumed"
 
+    # -- weight updates -------------------------------------------------------------------------
+    @property
+    def weights(self) -> str:
+        """Hash: paused (the pause mode, '' while generating), epoch (pauses so far), version
+        (the policy version the engines serve), control_id (the latest `control` entry)."""
+        return f"{self.prefix}weights"
+
+    @property
+    def control(self) -> str:
+        """Stream: pause and resume orders, read by every worker (no group: a broadcast)."""
+        return f"{self.prefix}control"
+
+    @property
+    def paused_acks(self) -> str:
+        """Hash: backend_id -> the pause epoch its engine has reached (paused)."""
+        return f"{self.prefix}paused"
+
     # -- broker ---------------------------------------------------------------------------------
     @property
     def lease(self) -> str:

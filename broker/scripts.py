@@ -15,7 +15,7 @@ from redis.commands.core import Script
 
 SCRIPT_NAMES = (
     "enqueue", "admit", "finish", "mark_running", "heartbeat", "requeue", "cancel", "recharge",
-    "lease_renew", "lease_release", "dead_letter", "ack_results",
+    "lease_renew", "lease_release", "dead_letter", "ack_results", "weights",
 )
 
 
@@ -41,6 +41,7 @@ class Scripts:
     lease_release: Script
     dead_letter: Script
     ack_results: Script
+    weights: Script
 
     def __init__(self, client: redis.Redis) -> None:
         for name in SCRIPT_NAMES:

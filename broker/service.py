@@ -398,6 +398,8 @@ class BrokerService:
         return None
 
     def _decide_and_apply(self, fleet: FleetRead) -> int:
+        if fleet.paused:
+            return 0  # a weight update: nothing is admitted until resume (its event wakes us)
         pending = self._pending_view()
         completions, self._completions = self._completions, []
         if not any(pending.values()) and not completions:

@@ -187,7 +187,10 @@ class TurnRecord(BaseModel):
     `input_token_ids` are the tokens that entered the context before this turn's output: the
     prompt (turn 0, as the engine tokenized it) or the tool's observation after the previous
     turn. The session's whole token sequence is every record's input then output, in order.
-    `policy_version` is the version of the weights that generated `output_token_ids`.
+    `policy_version` is the version of the weights that generated `output_token_ids`: a turn
+    cut by a weight update (`pause(mode="abort")`) goes on after it from what it had, as a
+    second record of the same `turn` with no input tokens and the new version. A request frozen
+    by `pause(mode="keep")` spans both versions and carries the one it started on.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -246,8 +249,16 @@ class SessionResult(BaseModel):
 
     @property
     def output_token_ids(self) -> list[list[int]]:
-        """The generated ids of each turn."""
-        return [t.output_token_ids for t in self.turn_records]
+        """The generated ids of each turn (a turn interrupted by a weight update has one
+        record per policy version; they are joined here)."""
+        turns: list[list[int]] = []
+        last = None
+        for t in self.turn_records:
+            if t.turn != last:
+                turns.append([])
+                last = t.turn
+            turns[-1].extend(t.output_token_ids)
+        return turns
 
     def trajectory(self) -> Trajectory:
         tokens: list[int] = []

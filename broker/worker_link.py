@@ -38,6 +38,7 @@ from broker.ledger import Ledger
 from broker.redis_conn import connect
 from broker.scripts import Scripts
 from broker.session import Session, SessionResult, SessionState
+from broker.weights import WeightsState, read_state
 from broker.streams import BacklogCursor, as_text
 
 
@@ -105,6 +106,20 @@ class WorkerLink:
         pipe.xadd(k.events, {"kind": "withdraw", "backend": self.backend_id},
                   maxlen=10000, approximate=True)
         pipe.execute()
+
+    # -- weight updates (broker/weights.py) ------------------------------------------------------
+    def weights_state(self) -> WeightsState:
+        return read_state(self._client, self.keys)
+
+    def read_control(self, after: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:
+        """Pause and resume orders after entry `after`, waiting up to `block_ms` for one."""
+        reply = self._client.xread({self.keys.control: after}, count=100, block=block_ms)
+        return [(as_text(eid), {as_text(k): as_text(v) for k, v in fields.items()})
+                for _, entries in reply or [] for eid, fields in entries]
+
+    def ack_paused(self, epoch: int) -> None:
+        """This backend's engine is paused for pause `epoch`."""
+        self._client.hset(self.keys.paused_acks, self.backend_id, epoch)
 
     def read_admitted(self, count: int = 64, block_ms: int | None = 1000) -> list[AdmittedSession]:
         """Sessions admitted here: first our unfinished backlog, then new ones (blocking)."""

@@ -104,10 +104,51 @@ def _sampled_logprobs(choice: dict, tokens: int) -> list[float]:
     return [float(v) for v in values]
 
 
+class EngineWeights:
+    """What the worker's engine serves: the policy version (None until the namespace's trainer
+    first resumes on a version: outputs then carry each session's own `policy_version`), and
+    whether generation is paused for a weight update (the worker's control loop sets both)."""
+
+    def __init__(self, version: int | None = None) -> None:
+        self.version = version
+        self.epoch = 0  # pauses seen
+        self._generating = asyncio.Event()
+        self._generating.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._generating.is_set()
+
+    def pause(self, epoch: int) -> None:
+        self.epoch = max(self.epoch, epoch)
+        self._generating.clear()
+
+    def resume(self, version: int) -> None:
+        self.version = version
+        self._generating.set()
+
+    async def resumed(self) -> None:
+        await self._generating.wait()
+
+    def version_for(self, session: Session) -> int:
+        return session.policy_version if self.version is None else self.version
+
+
+@dataclass(frozen=True, slots=True)
+class _Span:
+    """One engine request of a turn: a whole turn, or its part before or after a pause."""
+
+    output_token_ids: list[int]
+    output_logprobs: list[float] | None
+    finish_reason: str | None
+    policy_version: int
+
+
 class SessionRunner:
     def __init__(self, http: httpx.AsyncClient, engine_url: str, model: str, max_model_len: int,
                  tools: ToolExecutor, settings: RunnerSettings | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, weights: EngineWeights | None = None) -> None:
+        self.weights = weights or EngineWeights()
         self.http = http
         self.url = f"{engine_url.rstrip('/')}/v1/completions"
         self.model = model
@@ -116,15 +157,58 @@ class SessionRunner:
         self.tools = tools
         self.settings = settings or RunnerSettings()
 
+    async def generate_turn(self, session: Session, prompt: list[int] | str, turn: int,
+                            max_tokens: int) -> tuple[Turn, list[int], list[_Span]]:
+        """One turn, whole even across a weight update: a request the engine aborts for a
+        pause (`mode=abort`) keeps what it generated, and the turn goes on after the resume
+        from prompt + that partial output, on the new weights (a partial rollout). Returns the
+        turn, its prompt's token ids (as the engine tokenized them) and its spans, each with
+        the policy version that generated it."""
+        spans: list[_Span] = []
+        parts: list[Turn] = []
+        prompt_ids: list[int] = []
+        done = 0  # tokens of this turn generated so far
+        while True:
+            epoch = self.weights.epoch
+            version = self.weights.version_for(session)
+            rec, ids = await self.complete(session, prompt, turn, max_tokens - done, len(parts),
+                                           done)
+            if not parts:
+                prompt_ids = ids
+            parts.append(rec)
+            spans.append(_Span(rec.output_token_ids, rec.output_logprobs, rec.finish_reason,
+                               version))
+            done += len(rec.output_token_ids)
+            if rec.finish_reason != "abort":
+                break
+            if not self.weights.paused and self.weights.epoch == epoch:
+                raise EngineUnavailable("engine: aborted the request, and no pause was ordered")
+            await self.weights.resumed()
+            if done >= max_tokens:
+                break
+            prompt = ids + rec.output_token_ids
+        out = [t for p in parts for t in p.output_token_ids]
+        logprobs = None if parts[0].output_logprobs is None else \
+            [v for p in parts for v in (p.output_logprobs or ())]
+        whole = Turn(prompt_tokens=parts[0].prompt_tokens, output_token_ids=out,
+                     output_logprobs=logprobs,
+                     cached_tokens=sum(p.cached_tokens for p in parts),
+                     finish_reason="length" if parts[-1].finish_reason == "abort"
+                     else parts[-1].finish_reason,
+                     wall_s=sum(p.wall_s for p in parts))
+        return whole, prompt_ids, spans
+
     async def complete(self, session: Session, prompt: list[int] | str, turn: int,
-                       max_tokens: int) -> tuple[Turn, list[int]]:
-        """One turn; returns it and the prompt's token ids (as the engine tokenized them)."""
+                       max_tokens: int, piece: int = 0, done: int = 0) -> tuple[Turn, list[int]]:
+        """One engine request: turn `turn`, or its part `piece` after a pause that found
+        `done` tokens of it generated. Returns it and the prompt's token ids."""
         s = session.sampling
+        request_id = f"{session.session_id}-t{turn}" + (f"-p{piece}" if piece else "")
         body: dict = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                       "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                       "min_p": s.min_p, "repetition_penalty": s.repetition_penalty,
                       "ignore_eos": s.ignore_eos, "return_token_ids": True,
-                      "request_id": f"{session.session_id}-t{turn}"}
+                      "request_id": request_id}
         if s.stop:
             body["stop"] = list(s.stop)
         if s.stop_token_ids:
@@ -135,7 +219,7 @@ class SessionRunner:
             body["seed"] = s.seed + turn
         sim_len = _sim_output_len(session, turn)
         if sim_len is not None:
-            body["sim_output_len"] = min(sim_len, max_tokens)
+            body["sim_output_len"] = max(1, min(sim_len - done, max_tokens))
         started = time.monotonic()
         reply = await self._post(body)
         choice = reply["choices"][0]
@@ -203,17 +287,20 @@ class SessionRunner:
                     break
                 progress.turn = turn + 1
                 progress.context_tokens = context
-                rec, prompt_ids = await self.complete(session, history, turn, max_tokens)
+                rec, prompt_ids, spans = await self.generate_turn(session, history, turn,
+                                                                  max_tokens)
                 turns.append(rec)
                 if turn == 0:
                     prompt_tokens = rec.prompt_tokens
                     fed = prompt_ids
                 else:
                     fed = observation
-                records.append(TurnRecord(
-                    turn=turn, input_token_ids=fed, output_token_ids=rec.output_token_ids,
-                    output_logprobs=rec.output_logprobs, finish_reason=rec.finish_reason,
-                    policy_version=session.policy_version))
+                for i, span in enumerate(spans):
+                    records.append(TurnRecord(
+                        turn=turn, input_token_ids=fed if i == 0 else [],
+                        output_token_ids=span.output_token_ids,
+                        output_logprobs=span.output_logprobs, finish_reason=span.finish_reason,
+                        policy_version=span.policy_version))
                 history = prompt_ids + rec.output_token_ids
                 progress.generated_tokens += len(rec.output_token_ids)
                 progress.context_tokens = len(history)

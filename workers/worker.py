@@ -10,6 +10,12 @@ Asyncio tasks around one `WorkerLink` and one shared `httpx.AsyncClient`, and on
   `engine_down_after_s`, opens the circuit: the worker stops pulling, cancels what runs here,
   stops beating and withdraws, so the broker requeues everything admitted here at once and
   admits nothing more. When /health answers again the worker registers and carries on;
+- control: follows the namespace's weight-update orders (broker/weights.py) as they are
+  written (a blocking read of the `control` stream): on a pause it marks the runner's
+  `EngineWeights` paused, pauses the engine with vLLM's `POST /pause?mode=` and acknowledges;
+  on a resume it resumes the engine and records the new policy version, which every output
+  token generated from then on carries. A session whose request the pause aborted goes on
+  from what it had generated once generation resumes (workers/runner.py);
 - finish: publishes finished sessions in batches (`finish_many`: result + ledger release + ack),
   retrying a batch until Redis takes it. A session the engine could not serve (a broken
   connection, a timeout, 5xx after the retries) is handed back to be run again, an attempt
@@ -45,7 +51,13 @@ from broker.worker_link import (
     WorkerLink,
 )
 from workers.engine import EngineInfo, EngineScrape, parse_metrics, read_engine_info
-from workers.runner import EngineUnavailable, Progress, RunnerSettings, SessionRunner
+from workers.runner import (
+    EngineUnavailable,
+    EngineWeights,
+    Progress,
+    RunnerSettings,
+    SessionRunner,
+)
 from workers.tools import ToolExecutor, ToolUnavailable, describe_error
 
 log = logging.getLogger("rollout_broker.worker")
@@ -98,6 +110,7 @@ class Worker:
         self._health_ok_at = time.monotonic()
         self._registered = threading.Event()  # beats only while registered and engine up
         self._finished: asyncio.Queue[tuple[SessionResult, CompletionStats]] = asyncio.Queue()
+        self.weights = EngineWeights()  # what the engine serves; read from Redis at start
 
     async def _redis(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
@@ -122,16 +135,23 @@ class Worker:
         s = self.settings
         self.info = await asyncio.to_thread(read_engine_info, self.engine_url)
         await self._register()
+        weights = await self._redis_until_ok(self.link.weights_state)
+        self.weights = EngineWeights(weights.version)
         limits = httpx.Limits(max_connections=s.max_connections,
                               max_keepalive_connections=min(256, s.max_connections))
         timeout = httpx.Timeout(s.runner.request_timeout_s, pool=None)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
             runner = SessionRunner(http, self.engine_url, self.info.model,
                                    self.info.max_model_len, self.tools, s.runner,
-                                   vocab_size=s.vocab_size or self.info.vocab_size)
+                                   vocab_size=s.vocab_size or self.info.vocab_size,
+                                   weights=self.weights)
             await self._scrape_once(http)
+            if weights.paused:  # started during a weight update: join it
+                await self._pause_engine(http, weights.paused, weights.epoch)
             watchers = [asyncio.create_task(self._scrape_loop(http), name="scrape"),
-                        asyncio.create_task(self._watch_engine(http, stop), name="engine-watch")]
+                        asyncio.create_task(self._watch_engine(http, stop), name="engine-watch"),
+                        asyncio.create_task(self._control_loop(http, weights.control_id),
+                                            name="control")]
             beats_done = threading.Event()
             beats = threading.Thread(target=self._beat_thread, args=(beats_done,),
                                      name=f"heartbeat-{s.backend_id}", daemon=True)
@@ -153,6 +173,52 @@ class Worker:
                 self._io.shutdown(wait=True)
                 self.link.close()
         log.info("worker %s: stopped (%s)", s.backend_id, self.counters)
+
+    # -- weight updates -------------------------------------------------------------------------
+    async def _control_loop(self, http: httpx.AsyncClient, after: str) -> None:
+        """Follow the namespace's pause and resume orders (broker/weights.py)."""
+        while True:
+            try:
+                entries = await self._redis(self.link.read_control, after, 1000)
+            except Exception as exc:
+                if not is_outage(exc):
+                    raise
+                await asyncio.sleep(self._outage.failed(exc))
+                continue
+            for entry_id, fields in entries:
+                after = entry_id
+                if fields.get("op") == "pause":
+                    await self._pause_engine(http, fields.get("mode", "keep"),
+                                             int(fields.get("epoch", 0)))
+                elif fields.get("op") == "resume":
+                    await self._resume_engine(http, int(fields.get("version", 0)))
+
+    async def _pause_engine(self, http: httpx.AsyncClient, mode: str, epoch: int) -> None:
+        """Pause the engine with vLLM's API, then acknowledge; sessions whose requests it
+        aborts wait for the resume (workers/runner.py)."""
+        self.weights.pause(epoch)
+        try:
+            r = await http.post(f"{self.engine_url}/pause", params={"mode": mode},
+                                timeout=self.settings.runner.request_timeout_s)
+            r.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.error("worker %s: engine did not pause (%s); pause %d not acknowledged",
+                      self.settings.backend_id, describe_error(exc), epoch)
+            return
+        await self._redis_until_ok(self.link.ack_paused, epoch)
+        log.info("worker %s: engine paused (%s, pause %d)", self.settings.backend_id, mode, epoch)
+
+    async def _resume_engine(self, http: httpx.AsyncClient, version: int) -> None:
+        try:
+            r = await http.post(f"{self.engine_url}/resume",
+                                timeout=self.settings.health_timeout_s)
+            r.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.error("worker %s: engine did not resume (%s)", self.settings.backend_id,
+                      describe_error(exc))
+        self.weights.resume(version)
+        log.info("worker %s: engine resumed on policy version %d", self.settings.backend_id,
+                 version)
 
     async def _register(self) -> None:
         assert self.info is not None

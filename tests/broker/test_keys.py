@@ -22,6 +22,9 @@ def test_every_key_has_its_exact_shape():
     assert k.mixture == "rb:{job1}:mixture"
     assert k.consumed == "rb:{job1}:consumed"
     assert k.lease == "rb:{job1}:lease"
+    assert k.weights == "rb:{job1}:weights"
+    assert k.control == "rb:{job1}:control"
+    assert k.paused_acks == "rb:{job1}:paused"
 
 
 @pytest.mark.parametrize("call, field", [

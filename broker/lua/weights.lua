@@ -1,0 +1,28 @@
+-- weights: the trainer pauses generation for a weight update, or resumes on new weights.
+-- KEYS[1] = rb:{ns}:weights   KEYS[2] = rb:{ns}:control   KEYS[3] = rb:{ns}:events
+-- ARGV[1] = 'pause' | 'resume'   ARGV[2] = the pause mode (abort|wait|keep), or the new policy
+-- version on resume
+-- Returns the pause epoch (pause; a pause while paused returns the epoch in force and changes
+-- nothing, as vLLM's does) or the version now current (resume).
+-- Invariant: the weights hash and the control stream every worker follows move together: a
+-- worker that reads the stream from the hash's `control_id` on sees every later change.
+if ARGV[1] == 'pause' then
+  local st = redis.call('HMGET', KEYS[1], 'paused', 'epoch')
+  if st[1] and st[1] ~= '' then
+    return tonumber(st[2])
+  end
+  local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+  redis.call('HSET', KEYS[1], 'paused', ARGV[2])
+  local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', '1000', '*', 'op', 'pause',
+                        'mode', ARGV[2], 'epoch', epoch)
+  redis.call('HSET', KEYS[1], 'control_id', id)
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'kind', 'pause', 'backend', '')
+  return epoch
+end
+local epoch = redis.call('HGET', KEYS[1], 'epoch') or '0'
+redis.call('HSET', KEYS[1], 'paused', '', 'version', ARGV[2])
+local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', '1000', '*', 'op', 'resume',
+                      'version', ARGV[2], 'epoch', epoch)
+redis.call('HSET', KEYS[1], 'control_id', id)
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'kind', 'resume', 'backend', '')
+return tonumber(ARGV[2])

@@ -1,0 +1,97 @@
+"""Weight updates while rollouts run: the shared state of a pause and the calls on it.
+
+A trainer that wants to load new weights calls `pause(mode)`: the broker stops admitting,
+every worker pauses its engine with vLLM's `POST /pause?mode=` (`abort`: in-flight requests end
+at once and their sessions resume from what they generated; `wait`: they finish first; `keep`:
+they freeze in the engine and go on after the resume) and acknowledges; `pause` returns once
+every live worker has. The trainer then loads weights into the engines by its own means and
+calls `resume(version)`: workers resume their engines, outputs from then on carry `version`,
+and admission restarts.
+
+State lives in the namespace's `weights` hash and `control` stream (written together by
+`lua/weights.lua`); acknowledgements in `paused_acks` (backend -> pause epoch).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import redis
+
+from broker.keys import Keys
+from broker.scripts import Scripts
+from broker.streams import as_text
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsState:
+    paused: str  # the pause mode in force, '' while generating
+    epoch: int  # pauses so far; a worker acknowledges the epoch its engine reached
+    version: int | None  # the policy version the engines serve (None: never resumed on one)
+    control_id: str  # the latest control-stream entry ('0' before any)
+
+    @classmethod
+    def from_hash(cls, fields: Mapping) -> WeightsState:
+        f = {as_text(k): as_text(v) for k, v in fields.items()}
+        version = f.get("version")
+        return cls(paused=f.get("paused", ""), epoch=int(f.get("epoch") or 0),
+                   version=int(version) if version else None,
+                   control_id=f.get("control_id") or "0")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+    return mode
+
+
+def check_version(version: int) -> int:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"version: must be a non-negative integer, got {version!r}")
+    return version
+
+
+def read_state(client: redis.Redis, keys: Keys) -> WeightsState:
+    return WeightsState.from_hash(client.hgetall(keys.weights))
+
+
+def order_pause(client: redis.Redis, scripts: Scripts, keys: Keys, mode: str) -> int:
+    """Record the pause and tell the workers; returns its epoch (the one in force if already
+    paused)."""
+    return int(scripts.weights(keys=[keys.weights, keys.control, keys.events],
+                               args=["pause", check_mode(mode)], client=client))
+
+
+def order_resume(client: redis.Redis, scripts: Scripts, keys: Keys, version: int) -> int:
+    return int(scripts.weights(keys=[keys.weights, keys.control, keys.events],
+                               args=["resume", check_version(version)], client=client))
+
+
+def live_backends(client: redis.Redis, keys: Keys) -> list[str]:
+    """Backends whose worker beats now (its heartbeat key has not expired)."""
+    ids = sorted(as_text(b) for b in client.smembers(keys.backends))
+    pipe = client.pipeline(transaction=False)
+    for b in ids:
+        pipe.exists(keys.heartbeat(b))
+    return [b for b, alive in zip(ids, pipe.execute()) if alive]
+
+
+def wait_paused(client: redis.Redis, keys: Keys, epoch: int, timeout_s: float,
+                poll_s: float = 0.005) -> list[str]:
+    """Until every live worker has acknowledged `epoch` (its engine is paused); returns those
+    backends. Raises TimeoutError naming the ones that did not."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        live = live_backends(client, keys)
+        acks = {as_text(b): int(v) for b, v in client.hgetall(keys.paused_acks).items()}
+        missing = [b for b in live if acks.get(b, 0) < epoch]
+        if not missing:
+            return live
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"pause: engines of {', '.join(missing)} not paused after "
+                               f"{timeout_s:g}s")
+        time.sleep(poll_s)

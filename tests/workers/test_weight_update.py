@@ -1,0 +1,144 @@
+"""Weight updates while rollouts run: broker + two workers on simulated engines, real Redis.
+
+pause(abort) cuts requests short and the sessions go on from what they had on the new version;
+pause(keep) freezes them in the engines; nothing is admitted while paused, no session is lost,
+and every span says which policy version generated it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from broker.client import RolloutClient
+from broker.policies import make_policy
+from broker.session import Session, SessionState
+from sim.server.testing import running_engine
+from tests.broker.helpers import BrokerThread, wait_until
+from tests.workers.helpers import WorkerThread, generation_tokens, prompt
+
+pytestmark = pytest.mark.timeout(120)
+
+OUTPUT = 1500  # tokens per session (the simulated truth): long enough to be cut by a pause
+
+
+def long_sessions(n: int, tag: str) -> list[Session]:
+    return [Session(session_id=f"{tag}-{i}", workload="rlvr", prompt_token_ids=prompt(i, 100),
+                    max_tokens=4000, metadata={"sim_output_tokens": str(OUTPUT)})
+            for i in range(n)]
+
+
+def engines_running(urls: list[str]) -> int:
+    total = 0
+    for url in urls:
+        text = httpx.get(f"{url}/metrics").text
+        line = next(x for x in text.splitlines() if x.startswith("vllm:num_requests_running"))
+        total += int(float(line.split()[-1]))
+    return total
+
+
+def collect(client: RolloutClient, n: int, timeout: float = 60) -> list:
+    got: list = []
+    assert wait_until(lambda: len(got.__iadd__(client.results(n, timeout=0.5)) or got) >= n,
+                      timeout=timeout, every=0)
+    client.ack()
+    return got
+
+
+def run_fleet(redis_url: str, namespace: str, scenario) -> tuple[list, dict[str, int]]:
+    with running_engine(time_scale=10.0, kv_tokens=200_000) as e0, \
+            running_engine(time_scale=10.0, kv_tokens=200_000) as e1:
+        engines = {"w0": e0.url, "w1": e1.url}
+        workers = [WorkerThread(redis_url, namespace, b, url, time_scale=10.0).start()
+                   for b, url in engines.items()]
+        broker = BrokerThread(redis_url, namespace, make_policy("least_loaded")).start()
+        client = RolloutClient(redis_url, namespace)
+        try:
+            assert wait_until(lambda: all(client.status()["backends"].get(b, {}).get("healthy")
+                                          for b in engines), timeout=30)
+            got = scenario(client, list(engines.values()))
+        finally:
+            broker.stop()
+            for w in workers:
+                w.stop()
+            client.close()
+        return got, {b: generation_tokens(url) for b, url in engines.items()}
+
+
+def test_pause_abort_keeps_partial_outputs_and_resumes_them_on_the_new_version(redis_url,
+                                                                              namespace,
+                                                                              redis_client):
+    def admitted_at(sid: str) -> float:
+        return float(redis_client.hget(f"rb:{{{namespace}}}:session:{sid}", "admitted_at"))
+
+    def scenario(client: RolloutClient, urls: list[str]) -> list:
+        client.enqueue(long_sessions(12, "a"))
+        assert wait_until(lambda: engines_running(urls) >= 4, timeout=30)
+        paused = client.pause("abort")
+        assert sorted(paused) == ["w0", "w1"]
+        assert all(httpx.get(f"{u}/is_paused").json()["is_paused"] for u in urls)
+        assert client.weights().paused == "abort"
+        before = sum(generation_tokens(u) for u in urls)
+        client.enqueue(long_sessions(4, "late"))  # enqueued while paused
+        time.sleep(0.3)
+        assert sum(generation_tokens(u) for u in urls) == before  # nothing generates
+        resumed_at = time.time()
+        client.resume(1)
+        got = collect(client, 16)
+        late = [r for r in got if r.session_id.startswith("late")]
+        assert len(late) == 4
+        assert all(admitted_at(r.session_id) >= resumed_at for r in late), "admitted while paused"
+        return got
+
+    got, generated = run_fleet(redis_url, namespace, scenario)
+    assert sorted(r.status for r in got) == [SessionState.done] * 16
+    for r in got:
+        # Every session has its whole output, and the engines generated each token once:
+        # what a pause cut short was kept, not generated again.
+        assert r.output_tokens == OUTPUT == sum(len(t.output_token_ids) for t in r.turn_records)
+        assert r.trajectory().loss_mask.count(1) == OUTPUT
+    assert sum(generated.values()) == 16 * OUTPUT
+    cut = [r for r in got if len(r.turn_records) == 2]
+    assert cut, "no session was running when the pause aborted its request"
+    for r in cut:
+        first, second = r.turn_records
+        assert (first.turn, second.turn) == (0, 0)
+        assert (first.policy_version, second.policy_version) == (0, 1)
+        assert first.finish_reason == "abort" and second.input_token_ids == []
+        assert len(first.output_logprobs) == len(first.output_token_ids) > 0
+    for r in got:
+        if r.session_id.startswith("late"):
+            assert [t.policy_version for t in r.turn_records] == [1]
+
+
+def test_pause_keep_freezes_sessions_and_loses_none(redis_url, namespace):
+    def scenario(client: RolloutClient, urls: list[str]) -> list:
+        client.enqueue(long_sessions(8, "k"))
+        assert wait_until(lambda: engines_running(urls) >= 2, timeout=30)
+        client.pause("keep")
+        assert client.pause("keep") == ["w0", "w1"]  # a second pause changes nothing
+        frozen = sum(generation_tokens(u) for u in urls)
+        time.sleep(0.3)
+        assert sum(generation_tokens(u) for u in urls) == frozen
+        client.resume(3)
+        client.enqueue(long_sessions(2, "after"))
+        return collect(client, 10)
+
+    got, generated = run_fleet(redis_url, namespace, scenario)
+    assert sorted(r.status for r in got) == [SessionState.done] * 10
+    assert all(r.output_tokens == OUTPUT and len(r.turn_records) == 1 for r in got)
+    assert sum(generated.values()) == 10 * OUTPUT
+    versions = {r.session_id: r.turn_records[0].policy_version for r in got}
+    assert {versions[f"after-{i}"] for i in range(2)} == {3}
+    assert {versions[f"k-{i}"] for i in range(8)} <= {0, 3}
+
+
+def test_pause_with_an_unknown_mode_is_refused_naming_the_field(redis_url, namespace):
+    with RolloutClient(redis_url, namespace) as client:
+        with pytest.raises(ValueError, match="mode: must be one of abort, wait, keep"):
+            client.pause("sleep")
+        with pytest.raises(ValueError, match="version: must be a non-negative integer"):
+            client.resume(-1)
+        assert client.weights().paused == ""
