@@ -281,7 +281,7 @@ class RolloutClient:
                 keys += [k.ledger(b), k.ledger_sessions(b), k.admitted(b)]
             else:  # not on a backend: the ledger keys are never touched; any of ours will do
                 keys += [k.mixture, k.mixture, k.mixture]
-            reply = as_text(self._scripts.cancel(keys=keys + [k.events],
+            reply = as_text(self._scripts.cancel(keys=keys + [k.events, k.control],
                                                  args=[session_id, b or "", repr(time.time())]))
             if reply != "retry":
                 return reply

@@ -169,6 +169,7 @@ class SessionRunner:
         prompt_ids: list[int] = []
         done = 0  # tokens of this turn generated so far
         while True:
+            await self.weights.resumed()  # no new request while paused: it waits for the version
             epoch = self.weights.epoch
             version = self.weights.version_for(session)
             rec, ids = await self.complete(session, prompt, turn, max_tokens - done, len(parts),

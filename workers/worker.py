@@ -15,7 +15,8 @@ Asyncio tasks around one `WorkerLink` and one shared `httpx.AsyncClient`, and on
   `EngineWeights` paused, pauses the engine with vLLM's `POST /pause?mode=` and acknowledges;
   on a resume it resumes the engine and records the new policy version, which every output
   token generated from then on carries. A session whose request the pause aborted goes on
-  from what it had generated once generation resumes (workers/runner.py);
+  from what it had generated once generation resumes (workers/runner.py). A session the
+  trainer cancels while it runs here is stopped, and with it its engine request;
 - finish: publishes finished sessions in batches (`finish_many`: result + ledger release + ack),
   retrying a batch until Redis takes it. A session the engine could not serve (a broken
   connection, a timeout, 5xx after the retries) is handed back to be run again, an attempt
@@ -192,6 +193,19 @@ class Worker:
                                              int(fields.get("epoch", 0)))
                 elif fields.get("op") == "resume":
                     await self._resume_engine(http, int(fields.get("version", 0)))
+                elif (fields.get("op") == "cancel"
+                      and fields.get("backend") == self.settings.backend_id):
+                    self._stop_cancelled(fields.get("session", ""))
+
+    def _stop_cancelled(self, session_id: str) -> None:
+        """The trainer cancelled a session running here: stop its task. Its HTTP request to
+        the engine is dropped, and the engine aborts a request whose client went away (vLLM
+        does); no result is published (the session is cancelled)."""
+        running = self._running.get(session_id)
+        if running is not None:
+            running[0].cancel()
+            log.info("worker %s: session %s cancelled by the trainer; stopped",
+                     self.settings.backend_id, session_id)
 
     async def _pause_engine(self, http: httpx.AsyncClient, mode: str, epoch: int) -> None:
         """Pause the engine with vLLM's API, then acknowledge; sessions whose requests it

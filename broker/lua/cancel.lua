@@ -1,6 +1,7 @@
 -- cancel: the trainer withdraws a session that has not finished.
 -- KEYS[1] = rb:{ns}:session:<sid>   KEYS[2] = rb:{ns}:ledger:<b>
 -- KEYS[3] = rb:{ns}:ledger:<b>:sessions   KEYS[4] = rb:{ns}:admitted:<b>   KEYS[5] = rb:{ns}:events
+-- KEYS[6] = rb:{ns}:control (the workers' order stream: a running session's worker stops it)
 -- ARGV[1] = sid   ARGV[2] = the backend the caller read from the session hash ('' if none)
 -- ARGV[3] = now
 -- Returns 'cancelled'; the current terminal state ('done', 'failed', 'cancelled',
@@ -35,4 +36,8 @@ if st[4] then
 end
 redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_at', ARGV[3])
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', '10000', '*', 'kind', 'cancel', 'backend', ARGV[2])
+if state == 'running' then
+  redis.call('XADD', KEYS[6], 'MAXLEN', '~', '1000', '*', 'op', 'cancel', 'session', ARGV[1],
+             'backend', ARGV[2])
+end
 return 'cancelled'

@@ -137,7 +137,7 @@ def _add_fault_routes(app: FastAPI) -> None:
 
 def _add_generation_routes(app: FastAPI) -> None:
     @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest, s: StateDep) -> Any:
+    async def completions(req: CompletionRequest, s: StateDep, request: Request) -> Any:
         s.check_model(req.model)
         prompts, limits = P.completion_inputs(req, s.tokenizer, s.profile.vocab_size,
                                               s.max_model_len)
@@ -149,11 +149,12 @@ def _add_generation_routes(app: FastAPI) -> None:
             return StreamingResponse(serving.completion_stream(s.driver, gen, s.tokenizer, req,
                                                                echo),
                                      media_type="text/event-stream")
-        await serving.wait_all(s.driver, gen)
+        if not await serving.wait_all_or_disconnect(request, s.driver, gen):
+            return Response(status_code=499)  # nobody reads it: the client went away
         return serving.completion_response(gen, s.tokenizer, req, echo)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(req: ChatCompletionRequest, s: StateDep) -> Any:
+    async def chat_completions(req: ChatCompletionRequest, s: StateDep, request: Request) -> Any:
         s.check_model(req.model)
         prompt, limit = P.chat_inputs(req, s.tokenizer, s.max_model_len)
         request_id = f"chatcmpl-{req.request_id or random_uuid()}"
@@ -162,7 +163,8 @@ def _add_generation_routes(app: FastAPI) -> None:
         if req.stream:
             return StreamingResponse(serving.chat_stream(s.driver, gen, s.tokenizer, req),
                                      media_type="text/event-stream")
-        await serving.wait_all(s.driver, gen)
+        if not await serving.wait_all_or_disconnect(request, s.driver, gen):
+            return Response(status_code=499)
         return serving.chat_response(gen, s.tokenizer, req)
 
 

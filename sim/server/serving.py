@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+from starlette.requests import Request
+
 from sim.engine.request import EngineRequest, StopScan
 from sim.engine.sampling import top_alternatives
 from sim.server.driver import EngineDriver
@@ -117,8 +119,10 @@ def start_generation(driver: EngineDriver, request_id: str, model: str, prompts:
 
 
 def abort(driver: EngineDriver, gen: Generation) -> None:
-    for r, fut in zip(gen.requests, gen.futures):
-        if not fut.done():
+    """Abort what the engine has not finished (a future cancelled with its waiter is done,
+    but its request may still run)."""
+    for r in gen.requests[:len(gen.futures)]:
+        if not r.finished:
             driver.abort(r.request_id)
 
 
@@ -128,6 +132,27 @@ async def wait_all(driver: EngineDriver, gen: Generation) -> None:
     except asyncio.CancelledError:
         abort(driver, gen)
         raise
+
+
+async def wait_all_or_disconnect(request: Request, driver: EngineDriver, gen: Generation) -> bool:
+    """Wait for every engine request, unless the HTTP client goes away first: then abort them
+    (vLLM aborts the requests of a dropped connection) and return False."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(wait_all(driver, gen))
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work.done():
+        work.result()
+        return True
+    work.cancel()
+    abort(driver, gen)
+    return False
 
 
 async def finished_in_order(driver: EngineDriver, gen: Generation) -> AsyncIterator[int]:

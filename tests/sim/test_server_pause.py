@@ -122,3 +122,21 @@ def test_pause_with_an_unknown_mode_is_refused_naming_the_field(engine):
     r = httpx.post(f"{engine.url}/pause", params={"mode": "sleep"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
     assert httpx.get(f"{engine.url}/is_paused").json() == {"is_paused": False}
+
+
+def test_a_request_whose_client_goes_away_is_aborted_in_the_engine(engine):
+    """vLLM aborts the requests of a dropped connection; so does the simulator."""
+    async def scenario():
+        async with httpx.AsyncClient(base_url=engine.url, timeout=60) as http:
+            call = asyncio.create_task(http.post("/v1/completions", json=body(engine, 5)))
+            await until_decoding(http)
+            call.cancel()  # the connection is dropped
+            waited = 0.0
+            while await metric(http, "vllm:num_requests_running") > 0 and waited < 5:
+                await asyncio.sleep(0.05)
+                waited += 0.05
+            return waited, await generated(http)
+
+    waited, tokens = asyncio.run(scenario())
+    assert waited < 1.0
+    assert tokens < 4000  # it did not run to the end

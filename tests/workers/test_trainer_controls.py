@@ -1,8 +1,9 @@
-"""Weight updates while rollouts run: broker + two workers on simulated engines, real Redis.
+"""A trainer's controls while rollouts run: broker + two workers on simulated engines, real Redis.
 
-pause(abort) cuts requests short and the sessions go on from what they had on the new version;
-pause(keep) freezes them in the engines; nothing is admitted while paused, no session is lost,
-and every span says which policy version generated it.
+Weight updates: pause(abort) cuts requests short and the sessions go on from what they had on
+the new version; pause(keep) freezes them in the engines; nothing is admitted while paused, no
+session is lost, and every span says which policy version generated it. Cancel: a running
+session's engine request is gone at once and nothing of it is published.
 """
 
 from __future__ import annotations
@@ -142,3 +143,26 @@ def test_pause_with_an_unknown_mode_is_refused_naming_the_field(redis_url, names
         with pytest.raises(ValueError, match="version: must be a non-negative integer"):
             client.resume(-1)
         assert client.weights().paused == ""
+
+
+def test_cancelling_a_running_session_stops_its_request_on_the_engine(redis_url, namespace):
+    def running_ids(urls: list[str]) -> int:
+        return engines_running(urls)
+
+    def scenario(client: RolloutClient, urls: list[str]) -> list:
+        sessions = long_sessions(2, "c")
+        client.enqueue(sessions)
+        assert wait_until(lambda: running_ids(urls) == 2, timeout=30)
+        assert client.cancel("c-0") == "cancelled"
+        t0 = time.monotonic()
+        assert wait_until(lambda: running_ids(urls) == 1, timeout=5, every=0.01)
+        stopped_s = time.monotonic() - t0
+        got = collect(client, 1)
+        time.sleep(0.5)  # a result of the cancelled one would have arrived by now
+        got += client.results(1, timeout=0.2)
+        return [stopped_s, got]
+
+    (stopped_s, got), generated = run_fleet(redis_url, namespace, scenario)
+    assert stopped_s < 1.0
+    assert [r.session_id for r in got] == ["c-1"]
+    assert sum(generated.values()) < 2 * OUTPUT  # c-0 stopped short of its output
