@@ -100,7 +100,7 @@ class SimulatedBackend:
             a, _ = self._running.pop(sid)
             s = a.session
             result = SessionResult(session_id=sid, workload=s.workload, group_id=s.group_id,
-                                   status=SessionState.done, turns=1,
+                                   group_size=s.group_size, status=SessionState.done, turns=1,
                                    prompt_tokens=s.prompt_len_hint,
                                    output_tokens=self.output_tokens, policy_version=s.policy_version)
             batch.append((result, CompletionStats(turn_output_tokens=[self.output_tokens],

@@ -43,6 +43,11 @@ log = logging.getLogger("rollout_broker.client")
 T = TypeVar("T")
 
 
+def _entry_order(entry_id: str) -> tuple[int, ...]:
+    """A stream entry id ('ms-seq') as a sortable key: completion order."""
+    return tuple(int(x) for x in entry_id.split("-"))
+
+
 class RolloutClient:
     def __init__(self, redis_url: str, namespace: str, workloads: Iterable[str] | None = None,
                  consumer: str = "trainer",
@@ -188,11 +193,15 @@ class RolloutClient:
         return sum(len(q) for q in self._buffer.values())
 
     def results(self, batch_size: int, mode: Literal["fifo", "quota"] = "fifo",
-                timeout: float = 10.0) -> list[SessionResult]:
+                timeout: float = 10.0, by_group: bool = False) -> list[SessionResult]:
         """Up to `batch_size` results; fewer only if `timeout` seconds pass first.
 
         `fifo`: in completion order. `quota`: batch_size·π_w of each workload (largest
         remainders); results beyond a workload's quota wait in the client for later batches.
+        `by_group` (fifo only): whole GRPO groups, never part of one: groups in the order their
+        last member finished, as many as fit in `batch_size` (a group larger than it comes
+        alone); members of unfinished groups wait in the client. A session without a group is a
+        group of one. (A cancelled member publishes no result: its group never completes.)
         A Redis outage only delays results, within `timeout`: the previous batch's
         acknowledgement then waits for the next call (until then a restarted trainer would get
         that batch again, as if it had crashed before acknowledging it).
@@ -201,6 +210,8 @@ class RolloutClient:
             raise ValueError(f"batch_size: {batch_size} must be positive")
         if mode not in ("fifo", "quota"):
             raise ValueError(f"mode: {mode!r} must be 'fifo' or 'quota'")
+        if by_group and mode != "fifo":
+            raise ValueError("by_group: whole groups are delivered in fifo mode only")
         deadline = time.monotonic() + timeout
         self._until(deadline, self._ack_once)
         want = None
@@ -209,11 +220,14 @@ class RolloutClient:
             want = quotas(batch_size, mixture if mixture is not None else self._mixture_seen)
             if not want:
                 raise ValueError("mode: quota needs a mixture; call set_mixture first")
-        while not self._satisfied(batch_size, want):
+        while not (self._groups_ready(batch_size) if by_group
+                   else self._satisfied(batch_size, want)):
             left = deadline - time.monotonic()
             if left <= 0 or self._until(deadline, self._fetch, max(batch_size, 100),
                                         min(int(left * 1000), 1000) or 1) is None:
                 break
+        if by_group:
+            return self._take_groups(batch_size)
         return self._take(batch_size, want)
 
     def _until(self, deadline: float, fn: Callable[..., T], *args: Any) -> T | None:
@@ -231,11 +245,36 @@ class RolloutClient:
             return self._buffered() >= batch_size
         return all(len(self._buffer.get(w, ())) >= n for w, n in want.items())
 
+    def _complete_groups(self) -> list[list[tuple[str, SessionResult]]]:
+        """Buffered groups with every member in, ordered by when their last member finished."""
+        members: dict[str, list[tuple[str, SessionResult]]] = {}
+        for q in self._buffer.values():
+            for e in q:
+                r = e[1]
+                members.setdefault(r.group_id or f"\0{r.session_id}", []).append(e)
+        done = [m for m in members.values() if len(m) >= m[0][1].group_size]
+        return sorted(done, key=lambda m: max(_entry_order(eid) for eid, _ in m))
+
+    def _groups_ready(self, batch_size: int) -> bool:
+        return sum(len(m) for m in self._complete_groups()) >= batch_size
+
+    def _take_groups(self, batch_size: int) -> list[SessionResult]:
+        picked: list[tuple[str, SessionResult]] = []
+        for m in self._complete_groups():
+            if picked and len(picked) + len(m) > batch_size:
+                break
+            picked += sorted(m, key=lambda e: _entry_order(e[0]))
+        chosen = {eid for eid, _ in picked}
+        for w, q in self._buffer.items():
+            self._buffer[w] = deque(e for e in q if e[0] not in chosen)
+        self._handed += [(eid, r.workload) for eid, r in picked]
+        return [r for _, r in picked]
+
     def _take(self, batch_size: int, want: dict[str, int] | None) -> list[SessionResult]:
         picked: list[tuple[str, SessionResult]] = []
         if want is None:
             merged = sorted((e for q in self._buffer.values() for e in q),
-                            key=lambda e: tuple(int(x) for x in e[0].split("-")))
+                            key=lambda e: _entry_order(e[0]))
             picked = merged[:batch_size]
             chosen = {eid for eid, _ in picked}
             for w, q in self._buffer.items():
@@ -346,8 +385,8 @@ class AsyncRolloutClient:
         return await self._call(self._sync.set_mixture, dict(mixture))
 
     async def results(self, batch_size: int, mode: Literal["fifo", "quota"] = "fifo",
-                      timeout: float = 10.0) -> list[SessionResult]:
-        return await self._call(self._sync.results, batch_size, mode, timeout)
+                      timeout: float = 10.0, by_group: bool = False) -> list[SessionResult]:
+        return await self._call(self._sync.results, batch_size, mode, timeout, by_group)
 
     async def ack(self) -> None:
         await self._call(self._sync.ack)

@@ -233,6 +233,7 @@ class SessionResult(BaseModel):
     session_id: str
     workload: str
     group_id: str | None = None
+    group_size: int = 1
     status: SessionState
     backend_id: str | None = None
     turns: int = 0

@@ -41,18 +41,17 @@ async def load_weights(version: int) -> None:
 
 
 async def run(redis_url: str, namespace: str, steps: int) -> int:
-    groups: dict[str, list[SessionResult]] = defaultdict(list)
     async with AsyncRolloutClient(redis_url, namespace) as client:
         for g in range(GROUPS_PER_STEP * 2):  # one step ahead: rollouts never wait on training
             await client.enqueue(group(0, g))
         for step in range(steps):
-            batch: list[list[SessionResult]] = []
-            while len(batch) < GROUPS_PER_STEP:
-                for r in await client.results(GROUP, timeout=5.0):
+            groups: dict[str, list[SessionResult]] = defaultdict(list)
+            while len(groups) < GROUPS_PER_STEP:  # whole groups only, never part of one
+                want = GROUP * (GROUPS_PER_STEP - len(groups))
+                for r in await client.results(want, timeout=5.0, by_group=True):
                     groups[r.group_id].append(r)
-                    if len(groups[r.group_id]) == GROUP:
-                        batch.append(groups.pop(r.group_id))
             await client.ack()
+            batch = list(groups.values())
             await train_step(batch)
             await client.pause("abort")  # cut requests short; sessions go on after the resume
             await load_weights(step + 1)

@@ -343,6 +343,7 @@ class SessionRunner:
             progress.waiting_on_tool = False
         result = SessionResult(
             session_id=session.session_id, workload=session.workload, group_id=session.group_id,
+            group_size=session.group_size,
             status=SessionState.failed if error else SessionState.done, turns=len(turns),
             prompt_tokens=prompt_tokens,
             output_tokens=sum(len(t.output_token_ids) for t in turns),

@@ -462,6 +462,7 @@ class Worker:
 def crashed_result(session: Session, exc: BaseException) -> SessionResult:
     """The result of a session the worker itself failed on (a bug): failed, with the reason."""
     return SessionResult(session_id=session.session_id, workload=session.workload,
-                         group_id=session.group_id, status=SessionState.failed,
+                         group_id=session.group_id, group_size=session.group_size,
+                         status=SessionState.failed,
                          error=f"worker: {describe_error(exc)}",
                          policy_version=session.policy_version)

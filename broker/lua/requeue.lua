@@ -60,6 +60,7 @@ for i = 1, n do
         error = why, enqueued_at = tonumber(st[5]), finished_at = tonumber(ARGV[3])}
       if ok and type(session) == 'table' then
         result.group_id = session.group_id
+        result.group_size = session.group_size
         result.policy_version = session.policy_version
       end
       redis.call('XADD', KEYS[7], '*', 'sid', sid, 'workload', st[3], 'status', 'failed',

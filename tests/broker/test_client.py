@@ -64,8 +64,11 @@ def test_quotas_sum_to_the_batch():
     assert sum(quotas(7, {"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}).values()) == 7
 
 
-def publish(redis_url, namespace, redis_client, n: int, workloads=("rlvr",)) -> None:
-    """Put n finished sessions on the results stream through the real scripts."""
+def publish(redis_url, namespace, redis_client, n: int, workloads=("rlvr",),
+            groups: dict[int, tuple[str, int]] | None = None,
+            order: list[int] | None = None) -> None:
+    """Put n finished sessions on the results stream through the real scripts (session i of
+    `groups` in group (id, size); finished in `order`, default by index)."""
     from broker.heartbeat import EngineMetrics
     from broker.keys import BROKER_GROUP
     from broker.scripts import Scripts
@@ -86,8 +89,11 @@ def publish(redis_url, namespace, redis_client, n: int, workloads=("rlvr",)) -> 
             s.admit(keys=[k.lease, k.session(sid), k.ledger("b0"), k.ledger_sessions("b0"),
                           k.heartbeat("b0"), k.admitted("b0"), k.pending(w)],
                     args=["T", sid, "b0", 10, eid, "1.0", "1"])
-    for x in sessions:
+    for i in order if order is not None else range(n):
+        x = sessions[i]
+        gid, size = (groups or {}).get(i, (None, 1))
         assert link.finish(SessionResult(session_id=x.session_id, workload=x.workload,
+                                         group_id=gid, group_size=size,
                                          status=SessionState.done)) == "ok"
 
 
@@ -106,6 +112,35 @@ def test_results_exactly_once_across_client_restarts(redis_url, namespace, redis
     ids = [r.session_id for r in again + rest]
     assert len(ids) == 30 and len(set(ids)) == 30
     assert c.status()["consumed"] == {"rlvr": 30}
+    c.close()
+
+
+def test_by_group_delivers_whole_groups_in_the_order_they_complete(redis_url, namespace,
+                                                                   redis_client):
+    groups = {0: ("A", 3), 1: ("A", 3), 2: ("A", 3), 3: ("B", 2), 4: ("B", 2),
+              5: ("C", 4), 6: ("C", 4), 7: ("C", 4), 8: ("C", 4)}  # 9: no group
+    # Finish order: A, B, C interleaved; B completes first, then A; C's last member is last.
+    publish(redis_url, namespace, redis_client, 10, groups=groups,
+            order=[0, 3, 5, 1, 4, 6, 2, 9, 7, 8])
+    c = RolloutClient(redis_url, namespace)
+    first = c.results(4, by_group=True, timeout=2)
+    assert [r.session_id for r in first] == ["s3", "s4"]  # B; A (3 more) would not fit in 4
+    second = c.results(4, by_group=True, timeout=2)
+    assert [r.session_id for r in second] == ["s0", "s1", "s2", "s9"]  # A, then the singleton
+    third = c.results(2, by_group=True, timeout=2)
+    assert [r.session_id for r in third] == ["s5", "s6", "s7", "s8"]  # larger than 2: alone
+    with pytest.raises(ValueError, match="by_group"):
+        c.results(4, mode="quota", by_group=True)
+    c.close()
+
+
+def test_by_group_holds_back_a_group_until_its_last_member_finishes(redis_url, namespace,
+                                                                    redis_client):
+    groups = {0: ("G", 3), 1: ("G", 3), 2: ("G", 3)}
+    publish(redis_url, namespace, redis_client, 3, groups=groups, order=[0, 1])
+    c = RolloutClient(redis_url, namespace)
+    assert c.results(3, by_group=True, timeout=0.5) == []
+    assert [r.session_id for r in c.results(3, timeout=0.5)] == ["s0", "s1"]  # fifo: no wait
     c.close()
 
 
