@@ -79,9 +79,16 @@ class ResumeIn(BaseModel):
     version: Annotated[int, Field(ge=0, strict=True)]  # the policy version now loaded
 
 
+class StalenessIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_staleness: Annotated[int, Field(ge=0, strict=True)] | None  # null: no bound
+
+
 class WeightsPublic(BaseModel):
     paused: str  # the pause mode in force; '' while generating
     version: int | None  # the policy version the engines serve; null before any resume
+    max_staleness: int | None = None  # the staleness bound; null: none
     paused_backends: list[str] = Field(default_factory=list)  # engines paused by this call
 
 

@@ -33,7 +33,14 @@ from broker.queue import SessionQueue, validate_batch
 from broker.redis_conn import Outage, connect, is_outage
 from broker.scripts import Scripts
 from broker.session import DEFAULT_WORKLOADS, Session, SessionResult
-from broker.weights import WeightsState, order_pause, order_resume, read_state, wait_paused
+from broker.weights import (
+    WeightsState,
+    order_pause,
+    order_resume,
+    order_staleness,
+    read_state,
+    wait_paused,
+)
 from broker.streams import BacklogCursor, as_text, ensure_group
 
 MIXTURE_TOLERANCE = 1e-6
@@ -226,9 +233,12 @@ class RolloutClient:
             if left <= 0 or self._until(deadline, self._fetch, max(batch_size, 100),
                                         min(int(left * 1000), 1000) or 1) is None:
                 break
-        if by_group:
-            return self._take_groups(batch_size)
-        return self._take(batch_size, want)
+        batch = self._take_groups(batch_size) if by_group else self._take(batch_size, want)
+        state = self._until(deadline, read_state, self._client, self.keys) if batch else None
+        if state is not None and state.max_staleness is not None:
+            for r in batch:
+                r.stale = state.is_stale(r.oldest_version)
+        return batch
 
     def _until(self, deadline: float, fn: Callable[..., T], *args: Any) -> T | None:
         """`fn(*args)`, waiting out an outage until the monotonic `deadline`; None if Redis
@@ -299,6 +309,13 @@ class RolloutClient:
         """Generation goes on with the weights of policy `version` (the trainer has loaded
         them): engines resume, outputs from now on carry `version`, admission restarts."""
         return self._retry(order_resume, self._client, self._scripts, self.keys, version)
+
+    def set_max_staleness(self, max_staleness: int | None) -> None:
+        """Bound how many policy versions behind the engines' a session may be: a pending one
+        further behind is not admitted (its `on_stale` says whether it fails or runs on the
+        current weights), and a result whose oldest tokens are further behind is handed over
+        with `stale=True`. None: no bound."""
+        self._retry(order_staleness, self._client, self._scripts, self.keys, max_staleness)
 
     def weights(self) -> WeightsState:
         """Whether generation is paused (and how), and the policy version engines serve."""
@@ -399,6 +416,9 @@ class AsyncRolloutClient:
 
     async def resume(self, version: int) -> int:
         return await self._call(self._sync.resume, version)
+
+    async def set_max_staleness(self, max_staleness: int | None) -> None:
+        await self._call(self._sync.set_max_staleness, max_staleness)
 
     async def weights(self) -> WeightsState:
         return await self._call(self._sync.weights)

@@ -15,7 +15,7 @@ from redis.commands.core import Script
 
 SCRIPT_NAMES = (
     "enqueue", "admit", "finish", "mark_running", "heartbeat", "requeue", "cancel", "recharge",
-    "lease_renew", "lease_release", "dead_letter", "ack_results", "weights",
+    "lease_renew", "lease_release", "dead_letter", "ack_results", "weights", "expire",
 )
 
 
@@ -42,6 +42,7 @@ class Scripts:
     dead_letter: Script
     ack_results: Script
     weights: Script
+    expire: Script
 
     def __init__(self, client: redis.Redis) -> None:
         for name in SCRIPT_NAMES:

@@ -43,7 +43,7 @@ from broker.policies.base import Completion, Decision, PendingItem, Policy
 from broker.queue import PendingEntry, SessionQueue, decode_entry
 from broker.redis_conn import Outage, connect, is_outage
 from broker.scripts import Scripts
-from broker.session import Session
+from broker.session import Session, SessionResult, SessionState
 from broker.snapshot import (
     FleetRead,
     ResidentMeta,
@@ -54,6 +54,7 @@ from broker.snapshot import (
     resident_meta,
 )
 from broker.streams import as_text, ensure_group
+from broker.weights import WeightsState
 
 log = logging.getLogger("rollout_broker.broker")
 
@@ -398,8 +399,11 @@ class BrokerService:
         return None
 
     def _decide_and_apply(self, fleet: FleetRead) -> int:
-        if fleet.paused:
+        weights = fleet.weights
+        if weights is not None and weights.paused:
             return 0  # a weight update: nothing is admitted until resume (its event wakes us)
+        if weights is not None and weights.max_staleness is not None:
+            self._expire_stale(weights)
         pending = self._pending_view()
         completions, self._completions = self._completions, []
         if not any(pending.values()) and not completions:
@@ -408,6 +412,39 @@ class BrokerService:
         snap = build_snapshot(now, pending, fleet, self._meta, completions)
         decision = self.policy.decide(snap)
         return self._apply(decision, fleet, now)
+
+    def _expire_stale(self, weights: WeightsState) -> None:
+        """Pending sessions more than the staleness bound behind the version the engines serve
+        end failed before any policy sees them, unless they asked to run on current weights."""
+        stale = [(queue, held) for table in (self._front, self._back)
+                 for queue in table.values() for held in queue.values()
+                 if held.entry.session.on_stale == "fail"
+                 and weights.is_stale(held.entry.session.policy_version)]
+        if not stale:
+            return
+        k, now = self.keys, time.time()
+        pipe = self._client.pipeline(transaction=False)
+        for _, held in stale:
+            s = held.entry.session
+            why = (f"stale: enqueued for policy version {s.policy_version}, the engines serve "
+                   f"{weights.version} and max_staleness is {weights.max_staleness}")
+            result = SessionResult(session_id=s.session_id, workload=s.workload,
+                                   group_id=s.group_id, group_size=s.group_size,
+                                   status=SessionState.failed, error=why,
+                                   finished_at=now, policy_version=s.policy_version)
+            self._scripts.expire(keys=[k.lease, k.session(s.session_id), held.entry.stream,
+                                       k.results],
+                                 args=[self.lease.token, s.session_id, held.entry.entry_id,
+                                       repr(now), result.model_dump_json(), why],
+                                 client=pipe)
+        for (queue, held), reply in zip(stale, pipe.execute()):
+            r = as_text(reply)
+            if r == "lease":
+                self.lease.held = False
+                return
+            queue.pop(held.item.session_id, None)
+            if r == "ok":
+                log.info("session %s: not admitted, stale", held.item.session_id)
 
     def _apply(self, decision: Decision, fleet: FleetRead, now: float) -> int:
         """Plan with the shared rule (`broker.decision.apply_decision`: α, then recharges, then

@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -105,6 +105,9 @@ class Session(BaseModel):
     max_turns: Annotated[StrictInt, Field(ge=1, le=1000)] = 1
     sampling: SamplingParams = SamplingParams()
     policy_version: Annotated[StrictInt, Field(ge=0)] = 0
+    # Past the namespace's staleness bound before it is admitted (broker/weights.py): end
+    # failed, or run on the weights the engines serve then.
+    on_stale: Literal["fail", "refresh"] = "fail"
     max_attempts: Annotated[StrictInt, Field(ge=1, le=100)] = DEFAULT_MAX_ATTEMPTS
     metadata: dict[str, MetadataValue] = Field(default_factory=dict)
 
@@ -247,6 +250,14 @@ class SessionResult(BaseModel):
     admitted_at: float | None = None
     finished_at: float | None = None
     policy_version: int = 0  # the session's, as enqueued
+    # Set by the client when it hands the result over: its oldest tokens are more than the
+    # namespace's staleness bound behind the policy version the engines serve.
+    stale: bool = False
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest policy version behind any of its tokens (its own, when it has none)."""
+        return min((t.policy_version for t in self.turn_records), default=self.policy_version)
 
     @property
     def output_token_ids(self) -> list[list[int]]:

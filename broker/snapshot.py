@@ -24,6 +24,7 @@ from broker.policies.base import (
     Snapshot,
 )
 from broker.session import Session, SessionResult
+from broker.weights import WeightsState
 from broker.streams import as_text
 
 
@@ -38,7 +39,7 @@ class FleetRead:
     mixture: Mapping[str, float]
     consumed: Mapping[str, int]
     results: tuple[tuple[str, Mapping], ...] = ()  # results-stream entries after `results_after`
-    paused: bool = False  # generation is paused for a weight update: admit nothing
+    weights: WeightsState | None = None  # pause, version served and staleness bound
 
 
 def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
@@ -52,7 +53,7 @@ def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
     pipe.hgetall(keys.mixture)
     pipe.hgetall(keys.consumed)
     pipe.xread({keys.results: results_after or "$"}, count=10000)
-    pipe.hget(keys.weights, "paused")
+    pipe.hgetall(keys.weights)
     if ack_events:
         pipe.xack(keys.events, BROKER_GROUP, *ack_events)
         pipe.xdel(keys.events, *ack_events)
@@ -61,7 +62,7 @@ def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
         pipe.hgetall(keys.ledger_sessions(b))
         pipe.get(keys.heartbeat(b))
     replies = pipe.execute()
-    index, workloads, mixture, consumed, results, paused = replies[:6]
+    index, workloads, mixture, consumed, results, weights = replies[:6]
     per_backend = replies[8:] if ack_events else replies[6:]
     ledgers: dict[str, LedgerState] = {}
     beats: dict[str, HeartbeatRecord | None] = {}
@@ -81,7 +82,7 @@ def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
         mixture={as_text(k): float(v) for k, v in mixture.items()},
         consumed={as_text(k): int(v) for k, v in consumed.items()},
         results=entries,
-        paused=bool(paused),
+        weights=WeightsState.from_hash(weights),
     )
 
 

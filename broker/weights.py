@@ -8,6 +8,12 @@ every live worker has. The trainer then loads weights into the engines by its ow
 calls `resume(version)`: workers resume their engines, outputs from then on carry `version`,
 and admission restarts.
 
+Staleness (`set_max_staleness(k)`): a pending session whose `policy_version` is more than k
+behind the version the engines serve is not admitted: it ends failed (`on_stale="fail"`, the
+default) or runs on the current weights (`on_stale="refresh"`); a result whose oldest tokens
+are more than k versions old when the trainer reads it is delivered with `stale=True`, never
+as fresh.
+
 State lives in the namespace's `weights` hash and `control` stream (written together by
 `lua/weights.lua`); acknowledgements in `paused_acks` (backend -> pause epoch).
 """
@@ -33,14 +39,21 @@ class WeightsState:
     epoch: int  # pauses so far; a worker acknowledges the epoch its engine reached
     version: int | None  # the policy version the engines serve (None: never resumed on one)
     control_id: str  # the latest control-stream entry ('0' before any)
+    max_staleness: int | None = None  # the staleness bound (None: unbounded)
 
     @classmethod
     def from_hash(cls, fields: Mapping) -> WeightsState:
         f = {as_text(k): as_text(v) for k, v in fields.items()}
-        version = f.get("version")
+        version, bound = f.get("version"), f.get("max_staleness")
         return cls(paused=f.get("paused", ""), epoch=int(f.get("epoch") or 0),
                    version=int(version) if version else None,
-                   control_id=f.get("control_id") or "0")
+                   control_id=f.get("control_id") or "0",
+                   max_staleness=int(bound) if bound else None)
+
+    def is_stale(self, oldest_version: int) -> bool:
+        """Whether data of `oldest_version` is more than the bound behind the version served."""
+        return (self.max_staleness is not None and self.version is not None
+                and self.version - oldest_version > self.max_staleness)
 
 
 def check_mode(mode: str) -> str:
@@ -53,6 +66,23 @@ def check_version(version: int) -> int:
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"version: must be a non-negative integer, got {version!r}")
     return version
+
+
+def check_staleness(max_staleness: int | None) -> int | None:
+    if max_staleness is not None and (isinstance(max_staleness, bool)
+                                      or not isinstance(max_staleness, int)
+                                      or max_staleness < 0):
+        raise ValueError("max_staleness: must be a non-negative integer or None (no bound), "
+                         f"got {max_staleness!r}")
+    return max_staleness
+
+
+def order_staleness(client: redis.Redis, scripts: Scripts, keys: Keys,
+                    max_staleness: int | None) -> None:
+    check_staleness(max_staleness)
+    scripts.weights(keys=[keys.weights, keys.control, keys.events],
+                    args=["staleness", "" if max_staleness is None else max_staleness],
+                    client=client)
 
 
 def read_state(client: redis.Redis, keys: Keys) -> WeightsState:

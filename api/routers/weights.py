@@ -7,16 +7,22 @@ from fastapi import APIRouter
 
 from api.deps import AuthDep, ClientDep
 from api.errors import ApiError, from_value_error
-from api.models import ErrorPublic, PauseIn, ResumeIn, WeightsPublic
+from api.models import ErrorPublic, PauseIn, ResumeIn, StalenessIn, WeightsPublic
+from broker.weights import WeightsState
 
 router = APIRouter(prefix="/v1/weights", tags=["weights"])
 _ERRORS = {401: {"model": ErrorPublic}, 422: {"model": ErrorPublic}}
 
 
+def _public(state: WeightsState, paused_backends: list[str] | None = None) -> WeightsPublic:
+    return WeightsPublic(paused=state.paused, version=state.version,
+                         max_staleness=state.max_staleness,
+                         paused_backends=paused_backends or [])
+
+
 @router.get("", response_model=WeightsPublic)
 def get_weights(client: ClientDep) -> WeightsPublic:
-    state = client.weights()
-    return WeightsPublic(paused=state.paused, version=state.version)
+    return _public(client.weights())
 
 
 @router.post("/pause", response_model=WeightsPublic, dependencies=[AuthDep],
@@ -29,8 +35,7 @@ def pause(body: PauseIn, client: ClientDep) -> WeightsPublic:
         backends = client.pause(body.mode, body.timeout_s)
     except TimeoutError as exc:
         raise ApiError(409, "timeout_s", str(exc).partition(": ")[2] or str(exc)) from None
-    state = client.weights()
-    return WeightsPublic(paused=state.paused, version=state.version, paused_backends=backends)
+    return _public(client.weights(), backends)
 
 
 @router.post("/resume", response_model=WeightsPublic, dependencies=[AuthDep],
@@ -41,5 +46,12 @@ def resume(body: ResumeIn, client: ClientDep) -> WeightsPublic:
         client.resume(body.version)
     except ValueError as exc:
         raise from_value_error(exc) from None
-    state = client.weights()
-    return WeightsPublic(paused=state.paused, version=state.version)
+    return _public(client.weights())
+
+
+@router.put("/staleness", response_model=WeightsPublic, dependencies=[AuthDep],
+            responses=_ERRORS)
+def set_staleness(body: StalenessIn, client: ClientDep) -> WeightsPublic:
+    """Bound how many policy versions behind the engines' a session may be (null: none)."""
+    client.set_max_staleness(body.max_staleness)
+    return _public(client.weights())

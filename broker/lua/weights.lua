@@ -1,9 +1,9 @@
 -- weights: the trainer pauses generation for a weight update, or resumes on new weights.
 -- KEYS[1] = rb:{ns}:weights   KEYS[2] = rb:{ns}:control   KEYS[3] = rb:{ns}:events
--- ARGV[1] = 'pause' | 'resume'   ARGV[2] = the pause mode (abort|wait|keep), or the new policy
--- version on resume
+-- ARGV[1] = 'pause' | 'resume' | 'staleness'   ARGV[2] = the pause mode (abort|wait|keep), the
+-- new policy version (resume), or the staleness bound ('' for none)
 -- Returns the pause epoch (pause; a pause while paused returns the epoch in force and changes
--- nothing, as vLLM's does) or the version now current (resume).
+-- nothing, as vLLM's does), the version now current (resume), or 1 (staleness).
 -- Invariant: the weights hash and the control stream every worker follows move together: a
 -- worker that reads the stream from the hash's `control_id` on sees every later change.
 if ARGV[1] == 'pause' then
@@ -18,6 +18,11 @@ if ARGV[1] == 'pause' then
   redis.call('HSET', KEYS[1], 'control_id', id)
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'kind', 'pause', 'backend', '')
   return epoch
+end
+if ARGV[1] == 'staleness' then
+  redis.call('HSET', KEYS[1], 'max_staleness', ARGV[2])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'kind', 'staleness', 'backend', '')
+  return 1
 end
 local epoch = redis.call('HGET', KEYS[1], 'epoch') or '0'
 redis.call('HSET', KEYS[1], 'paused', '', 'version', ARGV[2])

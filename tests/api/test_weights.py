@@ -12,14 +12,18 @@ pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 
 
 def test_pause_then_resume_records_the_mode_and_the_new_version(api):
-    assert api.get("/v1/weights").json() == {"paused": "", "version": None,
-                                             "paused_backends": []}
+    none = {"max_staleness": None, "paused_backends": []}
+    assert api.get("/v1/weights").json() == {"paused": "", "version": None, **none}
     r = api.post("/v1/weights/pause", json={"mode": "abort"})
     assert r.status_code == 200, r.text
-    assert r.json() == {"paused": "abort", "version": None, "paused_backends": []}
+    assert r.json() == {"paused": "abort", "version": None, **none}
     r = api.post("/v1/weights/resume", json={"version": 7})
-    assert r.json() == {"paused": "", "version": 7, "paused_backends": []}
+    assert r.json() == {"paused": "", "version": 7, **none}
     assert api.get("/v1/weights").json()["version"] == 7
+    r = api.put("/v1/weights/staleness", json={"max_staleness": 2})
+    assert r.status_code == 200 and r.json()["max_staleness"] == 2
+    assert api.put("/v1/weights/staleness", json={"max_staleness": None}).json()[
+        "max_staleness"] is None
 
 
 def test_pause_waits_for_every_live_backend_and_names_one_that_does_not_pause(
@@ -45,7 +49,9 @@ def test_pause_waits_for_every_live_backend_and_names_one_that_does_not_pause(
     ("/v1/weights/pause", {"timeout_s": 0}, "timeout_s"),
     ("/v1/weights/resume", {"version": -1}, "version"),
     ("/v1/weights/resume", {}, "version"),
+    ("/v1/weights/staleness", {"max_staleness": -1}, "max_staleness"),
 ])
 def test_bad_bodies_name_the_field(api, path, body, field):
-    r = api.post(path, json=body)
+    call = api.put if path.endswith("staleness") else api.post
+    r = call(path, json=body)
     assert r.status_code == 422 and r.json()["field"] == field
