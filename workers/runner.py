@@ -76,6 +76,7 @@ class Turn:
     prompt_tokens: int
     output_token_ids: list[int]
     output_logprobs: list[float] | None  # the sampled tokens' (None: not requested)
+    output_text: str  # as the engine detokenized it
     cached_tokens: int  # usage.prompt_tokens_details.cached_tokens
     finish_reason: str | None
     wall_s: float
@@ -150,7 +151,7 @@ class SessionRunner:
                  vocab_size: int | None = None, weights: EngineWeights | None = None) -> None:
         self.weights = weights or EngineWeights()
         self.http = http
-        self.url = f"{engine_url.rstrip('/')}/v1/completions"
+        self.base = engine_url.rstrip("/")
         self.model = model
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -192,7 +193,7 @@ class SessionRunner:
         logprobs = None if parts[0].output_logprobs is None else \
             [v for p in parts for v in (p.output_logprobs or ())]
         whole = Turn(prompt_tokens=parts[0].prompt_tokens, output_token_ids=out,
-                     output_logprobs=logprobs,
+                     output_logprobs=logprobs, output_text="".join(p.output_text for p in parts),
                      cached_tokens=sum(p.cached_tokens for p in parts),
                      finish_reason="length" if parts[-1].finish_reason == "abort"
                      else parts[-1].finish_reason,
@@ -233,19 +234,32 @@ class SessionRunner:
         turn_rec = Turn(prompt_tokens=int(usage.get("prompt_tokens", len(prompt_ids))),
                         output_token_ids=list(ids),
                         output_logprobs=_sampled_logprobs(choice, len(ids)) if s.logprobs else None,
+                        output_text=str(choice.get("text") or ""),
                         cached_tokens=int(details.get("cached_tokens") or 0),
                         finish_reason=choice.get("finish_reason"),
                         wall_s=time.monotonic() - started)
         return turn_rec, list(prompt_ids)
 
-    async def _post(self, body: dict) -> dict:
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """Text of `token_ids` by the engine's tokenizer (vLLM's POST /detokenize)."""
+        return str((await self._post(body={"model": self.model, "tokens": token_ids},
+                                     path="/detokenize"))["prompt"])
+
+    async def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text` by the engine's tokenizer (vLLM's POST /tokenize), no specials."""
+        reply = await self._post(body={"model": self.model, "prompt": text,
+                                       "add_special_tokens": False}, path="/tokenize")
+        return [int(t) for t in reply["tokens"]]
+
+    async def _post(self, body: dict, path: str = "/v1/completions") -> dict:
         cfg = self.settings
+        url = self.base + path
         last = ""
         for attempt in range(cfg.retries + 1):
             if attempt:
                 await asyncio.sleep(cfg.backoff_s * 2 ** (attempt - 1))
             try:
-                r = await self.http.post(self.url, json=body, timeout=cfg.request_timeout_s)
+                r = await self.http.post(url, json=body, timeout=cfg.request_timeout_s)
             except httpx.TimeoutException:
                 last = f"timed out after {cfg.request_timeout_s:g}s"
                 continue
@@ -275,6 +289,9 @@ class SessionRunner:
         truncated = False
         history: list[int] | str = session.prompt_token_ids or session.prompt_text or ""
         meta = session.metadata
+        # The whole conversation as text costs a /detokenize per tool call: only for tools
+        # that are not the simulated one (which reads token counts, not text).
+        wants_text = session.tool not in (None, "sim")
         try:
             self._check_vocabulary(session)
             for turn in range(session.max_turns):
@@ -314,23 +331,32 @@ class SessionRunner:
                     session_id=session.session_id, workload=session.workload,
                     tool=session.tool or "", turn=turn,
                     max_turns=session.max_turns, output_token_ids=rec.output_token_ids,
+                    output_text=rec.output_text, history_token_ids=history,
+                    history_text=await self.detokenize(history) if wants_text else "",
                     context_tokens=len(history), metadata=dict(meta),
                     time_scale=self.settings.time_scale))
+                observation = list(outcome.observation_token_ids)
+                if outcome.observation_text:
+                    observation += await self.tokenize(outcome.observation_text)
                 waited = time.monotonic() - t0
                 tool_wait += waited
                 waits.append((len(history), waited))
                 progress.waiting_on_tool = False
                 if outcome.done:
                     break
-                observation = list(outcome.observation_token_ids)
                 history = history + observation
             if session.reward is not None:
                 progress.waiting_on_tool = True
+                trajectory = SessionResult(session_id=session.session_id,
+                                           workload=session.workload, status=SessionState.done,
+                                           turn_records=records).trajectory()
                 reward = await self.tools.score(RewardCall(
                     session_id=session.session_id, workload=session.workload,
                     scorer=session.reward,
-                    output_token_ids=[t.output_token_ids for t in turns], metadata=dict(meta),
-                    time_scale=self.settings.time_scale))
+                    output_token_ids=[t.output_token_ids for t in turns],
+                    output_texts=[t.output_text for t in turns],
+                    token_ids=trajectory.token_ids, loss_mask=trajectory.loss_mask,
+                    metadata=dict(meta), time_scale=self.settings.time_scale))
         except (EngineError, ToolError) as exc:
             error = str(exc)
         except (EngineUnavailable, ToolUnavailable):

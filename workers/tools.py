@@ -1,8 +1,11 @@
 """Tool calls and reward scoring for the worker, run inline or as RQ jobs on CPU tool workers.
 
-A tool is a plain function `fn(call: dict) -> dict` taking a `ToolCall` as JSON and returning a
-`ToolOutcome` as JSON; a reward scorer is `fn(call: dict) -> float` taking a `RewardCall`. JSON
-both ways, so RQ stores them with its JSONSerializer (never pickle).
+A tool is a plain function `fn(call: dict) -> dict` taking a `ToolCall` as JSON (the
+conversation so far as token ids and text) and returning a `ToolOutcome` as JSON (observation
+token ids or text, or `done`); a reward scorer is `fn(call: dict) -> float` taking a
+`RewardCall` (the trajectory, each turn's output as ids and text). JSON both ways, so RQ stores
+them with its JSONSerializer (never pickle). `examples/arith_env.py` is a real environment: a
+calculator tool and an arithmetic-answer reward.
 
 Which functions may run is the operator's choice, never the session's: a session names a key
 (`metadata.tool`, `metadata.reward`) of the `ToolRegistry` the worker (or the RQ tool worker)
@@ -79,6 +82,9 @@ class ToolUnavailable(RuntimeError):
 
 
 class ToolCall(BaseModel):
+    """What a tool receives: the conversation so far, as token ids and as text (the engine's
+    own detokenization), and the turn it acts on."""
+
     model_config = ConfigDict(extra="forbid")
 
     session_id: str
@@ -87,25 +93,38 @@ class ToolCall(BaseModel):
     turn: int = Field(ge=0)  # the turn whose output the tool acts on (0-based)
     max_turns: int = Field(ge=1)
     output_token_ids: list[int]  # that turn's output
+    output_text: str = ""  # that turn's output as text
+    history_token_ids: list[int] = Field(default_factory=list)  # prompt, outputs, observations
+    history_text: str = ""  # the same as text
     context_tokens: int = Field(ge=0)  # history length so far
     metadata: Metadata = Field(default_factory=dict)
     time_scale: float = Field(default=1.0, gt=0)  # simulated seconds per wall second
 
 
 class ToolOutcome(BaseModel):
+    """What a tool returns: an observation for the next turn, as token ids or as text (the
+    worker tokenizes it with the engine's tokenizer), or `done` to end the episode."""
+
     model_config = ConfigDict(extra="forbid")
 
-    observation_token_ids: list[int]  # appended to the history before the next turn
+    observation_token_ids: list[int] = Field(default_factory=list)
+    observation_text: str | None = None  # appended after the ids, tokenized by the engine
     done: bool = False  # the episode ends here (no further turn)
 
 
 class RewardCall(BaseModel):
+    """What a reward scorer receives: the whole trajectory (`SessionResult.trajectory()`'s
+    token ids and loss mask) and each turn's output as ids and as text."""
+
     model_config = ConfigDict(extra="forbid")
 
     session_id: str
     workload: str
     scorer: str
     output_token_ids: list[list[int]]  # per turn
+    output_texts: list[str] = Field(default_factory=list)  # per turn
+    token_ids: list[int] = Field(default_factory=list)  # the trajectory
+    loss_mask: list[int] = Field(default_factory=list)  # 1 on model tokens
     metadata: Metadata = Field(default_factory=dict)
     time_scale: float = Field(default=1.0, gt=0)
 
