@@ -79,6 +79,8 @@ class RolloutClient:
         self._buffer: dict[str, deque[tuple[str, SessionResult]]] = {}  # delivered, not handed
         self._handed: list[tuple[str, str]] = []  # (entry id, workload) handed back, not acked
         self._mixture_seen: dict[str, float] = {}  # the last mixture read (quota in an outage)
+        self._groups: dict[str, set[str]] = {}  # group id -> its sessions this client enqueued
+        self.filtered_groups = 0  # whole groups `group_filter` turned away (acknowledged)
 
     def _setup(self, names: list[str]) -> None:
         if names:
@@ -121,7 +123,12 @@ class RolloutClient:
         items = list(sessions)
         known, limits = self._retry(lambda: (self._known_workloads(),
                                              self._ledger.enqueue_limits()))
-        return self._retry(self._queue.enqueue, validate_batch(items, known, limits))
+        batch = validate_batch(items, known, limits)
+        new = self._retry(self._queue.enqueue, batch)
+        for s in batch:
+            if s.group_id is not None:
+                self._groups.setdefault(s.group_id, set()).add(s.session_id)
+        return new
 
     def set_mixture(self, mixture: Mapping[str, float]) -> dict[str, float]:
         """Set the target share π_w of consumed sessions per workload; must sum to 1 ± 1e-6."""
@@ -200,7 +207,9 @@ class RolloutClient:
         return sum(len(q) for q in self._buffer.values())
 
     def results(self, batch_size: int, mode: Literal["fifo", "quota"] = "fifo",
-                timeout: float = 10.0, by_group: bool = False) -> list[SessionResult]:
+                timeout: float = 10.0, by_group: bool = False,
+                group_filter: Callable[[list[SessionResult]], bool] | None = None
+                ) -> list[SessionResult]:
         """Up to `batch_size` results; fewer only if `timeout` seconds pass first.
 
         `fifo`: in completion order. `quota`: batch_size·π_w of each workload (largest
@@ -209,6 +218,10 @@ class RolloutClient:
         last member finished, as many as fit in `batch_size` (a group larger than it comes
         alone); members of unfinished groups wait in the client. A session without a group is a
         group of one. (A cancelled member publishes no result: its group never completes.)
+        `group_filter` (with `by_group`): a whole group it returns False for is acknowledged
+        and never handed over (counted in `filtered_groups`), e.g. DAPO's dynamic sampling,
+        "the rewards of the group are not all equal". Over-sample by enqueueing more groups
+        than a batch needs, then `cancel_groups` the surplus once the batch is full.
         A Redis outage only delays results, within `timeout`: the previous batch's
         acknowledgement then waits for the next call (until then a restarted trainer would get
         that batch again, as if it had crashed before acknowledging it).
@@ -219,6 +232,8 @@ class RolloutClient:
             raise ValueError(f"mode: {mode!r} must be 'fifo' or 'quota'")
         if by_group and mode != "fifo":
             raise ValueError("by_group: whole groups are delivered in fifo mode only")
+        if group_filter is not None and not by_group:
+            raise ValueError("group_filter: filters whole groups; pass by_group=True")
         deadline = time.monotonic() + timeout
         self._until(deadline, self._ack_once)
         want = None
@@ -227,13 +242,14 @@ class RolloutClient:
             want = quotas(batch_size, mixture if mixture is not None else self._mixture_seen)
             if not want:
                 raise ValueError("mode: quota needs a mixture; call set_mixture first")
-        while not (self._groups_ready(batch_size) if by_group
+        while not (self._groups_ready(batch_size, group_filter) if by_group
                    else self._satisfied(batch_size, want)):
             left = deadline - time.monotonic()
             if left <= 0 or self._until(deadline, self._fetch, max(batch_size, 100),
                                         min(int(left * 1000), 1000) or 1) is None:
                 break
-        batch = self._take_groups(batch_size) if by_group else self._take(batch_size, want)
+        batch = (self._take_groups(batch_size, group_filter) if by_group
+                 else self._take(batch_size, want))
         state = self._until(deadline, read_state, self._client, self.keys) if batch else None
         if state is not None and state.max_staleness is not None:
             for r in batch:
@@ -265,19 +281,35 @@ class RolloutClient:
         done = [m for m in members.values() if len(m) >= m[0][1].group_size]
         return sorted(done, key=lambda m: max(_entry_order(eid) for eid, _ in m))
 
-    def _groups_ready(self, batch_size: int) -> bool:
+    def _groups_ready(self, batch_size: int,
+                      keep: Callable[[list[SessionResult]], bool] | None) -> bool:
+        if keep is not None:
+            self._drop_groups(keep)
         return sum(len(m) for m in self._complete_groups()) >= batch_size
 
-    def _take_groups(self, batch_size: int) -> list[SessionResult]:
+    def _drop_groups(self, keep: Callable[[list[SessionResult]], bool]) -> None:
+        """Complete groups `keep` turns away leave the buffer as acknowledged (consumed)."""
+        dropped = [m for m in self._complete_groups() if not keep([r for _, r in m])]
+        if dropped:
+            self._release_from_buffer([e for m in dropped for e in m])
+            self.filtered_groups += len(dropped)
+
+    def _release_from_buffer(self, entries: list[tuple[str, SessionResult]]) -> None:
+        chosen = {eid for eid, _ in entries}
+        for w, q in self._buffer.items():
+            self._buffer[w] = deque(e for e in q if e[0] not in chosen)
+        self._handed += [(eid, r.workload) for eid, r in entries]
+
+    def _take_groups(self, batch_size: int,
+                     keep: Callable[[list[SessionResult]], bool] | None) -> list[SessionResult]:
+        if keep is not None:
+            self._drop_groups(keep)
         picked: list[tuple[str, SessionResult]] = []
         for m in self._complete_groups():
             if picked and len(picked) + len(m) > batch_size:
                 break
             picked += sorted(m, key=lambda e: _entry_order(e[0]))
-        chosen = {eid for eid, _ in picked}
-        for w, q in self._buffer.items():
-            self._buffer[w] = deque(e for e in q if e[0] not in chosen)
-        self._handed += [(eid, r.workload) for eid, r in picked]
+        self._release_from_buffer(picked)
         return [r for _, r in picked]
 
     def _take(self, batch_size: int, want: dict[str, int] | None) -> list[SessionResult]:
@@ -322,6 +354,19 @@ class RolloutClient:
         return self._retry(read_state, self._client, self.keys)
 
     # -- cancel and status ----------------------------------------------------------------------
+    def cancel_groups(self, group_ids: Iterable[str]) -> dict[str, str]:
+        """Cancel every session of these groups that has not finished (running ones stop on
+        their engines): the surplus of an over-sampled batch. Groups are the ones this client
+        enqueued. Returns each session's `cancel` outcome."""
+        out: dict[str, str] = {}
+        for gid in group_ids:
+            members = self._groups.get(gid)
+            if members is None:
+                raise ValueError(f"group_id: {gid!r} was not enqueued by this client")
+            for sid in sorted(members):
+                out[sid] = self.cancel(sid)
+        return out
+
     def cancel(self, session_id: str) -> str:
         """'cancelled', or the state that made it too late ('done', 'failed', 'cancelled',
         'dead_lettered'), or 'unknown'. A cancelled session publishes no result."""
@@ -402,8 +447,14 @@ class AsyncRolloutClient:
         return await self._call(self._sync.set_mixture, dict(mixture))
 
     async def results(self, batch_size: int, mode: Literal["fifo", "quota"] = "fifo",
-                      timeout: float = 10.0, by_group: bool = False) -> list[SessionResult]:
-        return await self._call(self._sync.results, batch_size, mode, timeout, by_group)
+                      timeout: float = 10.0, by_group: bool = False,
+                      group_filter: Callable[[list[SessionResult]], bool] | None = None
+                      ) -> list[SessionResult]:
+        return await self._call(self._sync.results, batch_size, mode, timeout, by_group,
+                                group_filter)
+
+    async def cancel_groups(self, group_ids: Iterable[str]) -> dict[str, str]:
+        return await self._call(self._sync.cancel_groups, list(group_ids))
 
     async def ack(self) -> None:
         await self._call(self._sync.ack)

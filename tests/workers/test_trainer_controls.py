@@ -166,3 +166,43 @@ def test_cancelling_a_running_session_stops_its_request_on_the_engine(redis_url,
     assert stopped_s < 1.0
     assert [r.session_id for r in got] == ["c-1"]
     assert sum(generated.values()) < 2 * OUTPUT  # c-0 stopped short of its output
+
+
+def test_oversampled_groups_are_filtered_whole_and_the_surplus_is_stopped(redis_url, namespace,
+                                                                          redis_client):
+    def done(sid: str) -> bool:
+        return redis_client.hget(f"rb:{{{namespace}}}:session:{sid}", "state") == b"done"
+
+    def groups(g: int, output: int) -> list[Session]:
+        return [Session(session_id=f"g{g}-{m}", workload="rlvr", group_id=f"g{g}", group_size=4,
+                        prompt_token_ids=prompt(g, 100), max_tokens=4000,
+                        metadata={"sim_output_tokens": str(output)}) for m in range(4)]
+
+    def scenario(client: RolloutClient, urls: list[str]) -> list:
+        client.enqueue(groups(1, 40))  # the group the filter turns away: finished first
+        assert wait_until(lambda: all(done(f"g1-{m}") for m in range(4)), timeout=30)
+        client.enqueue([s for g in (0, 2, 3) for s in groups(g, 40)])  # quick
+        client.enqueue([s for g in (4, 5) for s in groups(g, 3000)])  # the slow surplus
+        batch = []
+        while len(batch) < 8:  # two groups, never g1 (the filter turns it away whole)
+            batch += client.results(8 - len(batch), by_group=True, timeout=5,
+                                    group_filter=lambda g: g[0].group_id != "g1")
+        client.ack()
+        taken = {r.group_id for r in batch}
+        rest = [f"g{g}" for g in range(6) if f"g{g}" not in taken]
+        outcomes = client.cancel_groups(rest)
+        t0 = time.monotonic()
+        assert wait_until(lambda: engines_running(urls) == 0, timeout=5, every=0.01)
+        stopped_s = time.monotonic() - t0
+        time.sleep(0.5)
+        late = client.results(100, timeout=0.5, by_group=True)
+        return [batch, outcomes, stopped_s, late, client.filtered_groups]
+
+    (batch, outcomes, stopped_s, late, filtered), _ = run_fleet(redis_url, namespace, scenario)
+    taken = {r.group_id for r in batch}
+    assert len(batch) == 8 and len(taken) == 2 and "g1" not in taken
+    assert all(sum(r.group_id == g for r in batch) == 4 for g in taken)  # whole groups
+    assert filtered == 1  # g1 was turned away, whole
+    assert all(outcomes[f"g{g}-{m}"] == "cancelled" for g in (4, 5) for m in range(4))
+    assert stopped_s < 1.0
+    assert {r.group_id for r in late} <= {"g0", "g2", "g3"} - taken  # never the cancelled
