@@ -16,7 +16,8 @@ lets them run for `--warmup` seconds, then:
    after it (the earliest `admitted_at` of the late sessions);
 3. collects every result and reads the engines' own counters: tokens the engines generated
    (`vllm:generation_tokens_total`) against tokens delivered in results; the difference is
-   what the update threw away. Sessions lost or delivered twice are counted too.
+   what the update threw away; and the tokens generated between `pause` returning and the
+   resume (none, if every engine is paused). Sessions lost or delivered twice are counted too.
 
 Everything runs on this machine's CPUs, the engines included; latencies are wall-clock.
 """
@@ -99,14 +100,14 @@ def run_once(args: argparse.Namespace, mode: str, repeat: int, redis_url: str) -
         first = sessions(args.sessions, "s", args.output, rng)
         client.enqueue(first)
         time.sleep(args.warmup)
-        before = generated(urls)
         t0 = time.monotonic()
         paused = client.pause(mode, timeout=120.0)
         pause_s = time.monotonic() - t0
+        at_pause = generated(urls)
         late = sessions(args.late, "late", args.output, rng)
         client.enqueue(late)
         time.sleep(args.hold)
-        frozen = generated(urls) - before
+        frozen = generated(urls) - at_pause
         resumed_at = time.time()
         client.resume(1)
         results: list = []
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", type=int, default=2000, help="output tokens per session")
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--hold", type=float, default=1.0, help="seconds the pause lasts")
-    ap.add_argument("--time-scale", type=float, default=5.0)
+    ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--profile", default="h100-8b")
     ap.add_argument("--kv-tokens", type=int, default=60_000)
     ap.add_argument("--policy", default="misa_t")
