@@ -79,6 +79,52 @@ class SamplingParams(BaseModel):
     logprobs: StrictBool = True
 
 
+class TurnRecord(BaseModel):
+    """One turn of a session, as a trainer trains on it.
+
+    `input_token_ids` are the tokens that entered the context before this turn's output: the
+    prompt (turn 0, as the engine tokenized it) or the tool's observation after the previous
+    turn. The session's whole token sequence is every record's input then output, in order.
+    `policy_version` is the version of the weights that generated `output_token_ids`: a turn
+    cut by a weight update (`pause(mode="abort")`) goes on after it from what it had, as a
+    second record of the same `turn` with no input tokens and the new version. A request frozen
+    by `pause(mode="keep")` spans both versions and carries the one it started on.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    turn: int
+    input_token_ids: list[int] = Field(default_factory=list)
+    output_token_ids: list[int] = Field(default_factory=list)
+    output_logprobs: list[float] | None = None  # one per output token; None when not requested
+    finish_reason: str | None = None  # the engine's: "stop" (EOS or a stop condition), "length"
+    policy_version: int = 0
+
+    @model_validator(mode="after")
+    def _one_logprob_per_token(self) -> TurnRecord:
+        if self.output_logprobs is not None and len(self.output_logprobs) != len(
+                self.output_token_ids):
+            raise ValueError(f"output_logprobs: {len(self.output_logprobs)} logprobs for "
+                             f"{len(self.output_token_ids)} output tokens")
+        return self
+
+
+class PartialRollout(BaseModel):
+    """What a session had generated when its worker drained: it goes on from here on another
+    worker, generating nothing twice. `history_token_ids` is the context to continue from
+    (prompt, outputs and observations so far, the cut turn's partial output included);
+    `turn` the turn to continue, of which `turn_output_tokens` are in `turn_records`; and
+    `next_input_token_ids` the observation that entered the context but is in no record yet."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    turn_records: list[TurnRecord]
+    history_token_ids: list[Annotated[StrictInt, Field(ge=0)]]
+    turn: Annotated[StrictInt, Field(ge=0)]
+    turn_output_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    next_input_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=list)
+
+
 class Session(BaseModel):
     """One rollout: a single-turn completion (rlvr, rlhf) or a multi-turn agentic episode.
 
@@ -110,6 +156,8 @@ class Session(BaseModel):
     on_stale: Literal["fail", "refresh"] = "fail"
     max_attempts: Annotated[StrictInt, Field(ge=1, le=100)] = DEFAULT_MAX_ATTEMPTS
     metadata: dict[str, MetadataValue] = Field(default_factory=dict)
+    # Set by a worker that drained while the session ran (workers/runner.py): go on from it.
+    resume_from: PartialRollout | None = None
 
     @field_validator("session_id", "group_id")
     @classmethod
@@ -182,36 +230,6 @@ class Session(BaseModel):
         if self.prompt_token_ids is not None:
             return len(self.prompt_token_ids)
         return max(1, len(self.prompt_text or "") // 4)
-
-
-class TurnRecord(BaseModel):
-    """One turn of a session, as a trainer trains on it.
-
-    `input_token_ids` are the tokens that entered the context before this turn's output: the
-    prompt (turn 0, as the engine tokenized it) or the tool's observation after the previous
-    turn. The session's whole token sequence is every record's input then output, in order.
-    `policy_version` is the version of the weights that generated `output_token_ids`: a turn
-    cut by a weight update (`pause(mode="abort")`) goes on after it from what it had, as a
-    second record of the same `turn` with no input tokens and the new version. A request frozen
-    by `pause(mode="keep")` spans both versions and carries the one it started on.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    turn: int
-    input_token_ids: list[int] = Field(default_factory=list)
-    output_token_ids: list[int] = Field(default_factory=list)
-    output_logprobs: list[float] | None = None  # one per output token; None when not requested
-    finish_reason: str | None = None  # the engine's: "stop" (EOS or a stop condition), "length"
-    policy_version: int = 0
-
-    @model_validator(mode="after")
-    def _one_logprob_per_token(self) -> TurnRecord:
-        if self.output_logprobs is not None and len(self.output_logprobs) != len(
-                self.output_token_ids):
-            raise ValueError(f"output_logprobs: {len(self.output_logprobs)} logprobs for "
-                             f"{len(self.output_token_ids)} output tokens")
-        return self
 
 
 @dataclass(frozen=True, slots=True)

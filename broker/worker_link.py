@@ -194,12 +194,14 @@ class WorkerLink:
             client=pipe)
 
 
-    def hand_back(self, sessions: Sequence[Session], why: str, now: float | None = None
-                  ) -> tuple[int, int]:
+    def hand_back(self, sessions: Sequence[Session], why: str, now: float | None = None,
+                  replace_body: bool = False) -> tuple[int, int]:
         """Give sessions admitted here back to the front of their queues, because the engine
         could not serve them (`why` is kept as their last error). Each that had started counts
         an attempt; one that reaches its `max_attempts` ends failed with a result instead.
-        Returns (requeued, failed); sessions no longer here are skipped."""
+        `replace_body`: store the sessions as given (a draining worker's, with the output they
+        had generated in `resume_from`). Returns (requeued, failed); sessions no longer here
+        are skipped."""
         if not sessions:
             return 0, 0
         k, b = self.keys, self.backend_id
@@ -209,6 +211,8 @@ class WorkerLink:
             keys += [k.session(s.session_id), k.requeue(s.workload)]
         args = ["", b, repr(time.time() if now is None else now), why, "any",
                 *(s.session_id for s in sessions)]
+        if replace_body:
+            args += [s.model_dump_json(exclude_defaults=True) for s in sessions]
         requeued, failed = self._scripts.requeue(keys=keys, args=args)
         return int(requeued), int(failed)
 

@@ -25,7 +25,7 @@ import httpx
 
 from broker.heartbeat import SessionProgress
 from broker.policies.base import kv_token_seconds
-from broker.session import Session, SessionResult, SessionState, TurnRecord
+from broker.session import PartialRollout, Session, SessionResult, SessionState, TurnRecord
 from broker.worker_link import CompletionStats
 from workers.tools import (
     RewardCall,
@@ -40,6 +40,26 @@ from workers.tools import (
 
 class EngineError(RuntimeError):
     """The engine refused the session's request (a 4xx): the session's fault; says why."""
+
+
+class Handoff(Exception):
+    """The worker drains while the session runs: it goes back to the queue with what it had
+    generated (`partial`), to go on elsewhere without generating anything twice."""
+
+    def __init__(self, partial: PartialRollout) -> None:
+        super().__init__("worker draining: session handed back with its partial output")
+        self.partial = partial
+
+
+@dataclass
+class _TurnCut(Exception):
+    """Inside a turn: the worker drains. What the turn had: its spans, the prompt ids of its
+    first request (None if none was sent) and the context to continue from."""
+
+    spans: list
+    prompt_ids: list[int] | None
+    context: list[int] | str
+    done: int  # tokens of the turn generated so far, on any worker (those in `spans` included)
 
 
 class EngineUnavailable(RuntimeError):
@@ -113,6 +133,7 @@ class EngineWeights:
     def __init__(self, version: int | None = None) -> None:
         self.version = version
         self.epoch = 0  # pauses seen
+        self.draining = False  # the worker stops: cut sessions are handed back with their output
         self._generating = asyncio.Event()
         self._generating.set()
 
@@ -159,17 +180,19 @@ class SessionRunner:
         self.settings = settings or RunnerSettings()
 
     async def generate_turn(self, session: Session, prompt: list[int] | str, turn: int,
-                            max_tokens: int) -> tuple[Turn, list[int], list[_Span]]:
+                            max_tokens: int, done: int = 0) -> tuple[Turn, list[int], list[_Span]]:
         """One turn, whole even across a weight update: a request the engine aborts for a
         pause (`mode=abort`) keeps what it generated, and the turn goes on after the resume
         from prompt + that partial output, on the new weights (a partial rollout). Returns the
         turn, its prompt's token ids (as the engine tokenized them) and its spans, each with
-        the policy version that generated it."""
+        the policy version that generated it. `done`: tokens of the turn generated before
+        (on another worker, which drained), already in `prompt`."""
         spans: list[_Span] = []
         parts: list[Turn] = []
         prompt_ids: list[int] = []
-        done = 0  # tokens of this turn generated so far
         while True:
+            if self.weights.draining:
+                raise _TurnCut(spans, prompt_ids if parts else None, prompt, done)
             await self.weights.resumed()  # no new request while paused: it waits for the version
             epoch = self.weights.epoch
             version = self.weights.version_for(session)
@@ -183,13 +206,15 @@ class SessionRunner:
             done += len(rec.output_token_ids)
             if rec.finish_reason != "abort":
                 break
+            if self.weights.draining:
+                raise _TurnCut(spans, prompt_ids, ids + rec.output_token_ids, done)
             if not self.weights.paused and self.weights.epoch == epoch:
                 raise EngineUnavailable("engine: aborted the request, and no pause was ordered")
             await self.weights.resumed()
             if done >= max_tokens:
                 break
             prompt = ids + rec.output_token_ids
-        out = [t for p in parts for t in p.output_token_ids]
+        out = [t for p in parts for t in p.output_token_ids]  # this worker's, after `done`
         logprobs = None if parts[0].output_logprobs is None else \
             [v for p in parts for v in (p.output_logprobs or ())]
         whole = Turn(prompt_tokens=parts[0].prompt_tokens, output_token_ids=out,
@@ -288,14 +313,25 @@ class SessionRunner:
         error: str | None = None
         truncated = False
         history: list[int] | str = session.prompt_token_ids or session.prompt_text or ""
+        first, done0, pending = 0, 0, []  # where to start, and what is not in a record yet
+        resume = session.resume_from
+        if resume is not None:  # a worker drained while it ran: go on from what it had
+            records = list(resume.turn_records)
+            history = list(resume.history_token_ids)
+            first, done0, pending = resume.turn, resume.turn_output_tokens, \
+                list(resume.next_input_token_ids)
+            progress.generated_tokens = sum(len(r.output_token_ids) for r in records)
         meta = session.metadata
         # The whole conversation as text costs a /detokenize per tool call: only for tools
         # that are not the simulated one (which reads token counts, not text).
         wants_text = session.tool not in (None, "sim")
         try:
             self._check_vocabulary(session)
-            for turn in range(session.max_turns):
+            for turn in range(first, session.max_turns):
+                resumed = resume is not None and turn == first
+                before = done0 if resumed else 0  # of this turn, already in `history`
                 context = len(history) if isinstance(history, list) else session.prompt_len_hint
+                context -= before
                 max_tokens = min(session.max_tokens, self.max_model_len - context)
                 if max_tokens < 1:  # the history fills the context: the episode ends here
                     truncated = True
@@ -305,14 +341,19 @@ class SessionRunner:
                     break
                 progress.turn = turn + 1
                 progress.context_tokens = context
-                rec, prompt_ids, spans = await self.generate_turn(session, history, turn,
-                                                                  max_tokens)
+                # The turn's input, unless a record already holds it (a resumed cut turn).
+                fed_next = pending if resumed else observation
+                try:
+                    rec, prompt_ids, spans = await self.generate_turn(session, history, turn,
+                                                                      max_tokens, before)
+                except _TurnCut as cut:
+                    raise self._handoff(records, cut, turn, fed_next, before) from None
                 turns.append(rec)
-                if turn == 0:
+                if turn == 0 and not resumed:
                     prompt_tokens = rec.prompt_tokens
                     fed = prompt_ids
                 else:
-                    fed = observation
+                    fed = [] if before else fed_next
                 for i, span in enumerate(spans):
                     records.append(TurnRecord(
                         turn=turn, input_token_ids=fed if i == 0 else [],
@@ -359,7 +400,7 @@ class SessionRunner:
                     metadata=dict(meta), time_scale=self.settings.time_scale))
         except (EngineError, ToolError) as exc:
             error = str(exc)
-        except (EngineUnavailable, ToolUnavailable):
+        except (EngineUnavailable, ToolUnavailable, Handoff):
             raise
         except Exception as exc:
             # The session's data broke the run (metadata that is not what it claims): the
@@ -370,9 +411,10 @@ class SessionRunner:
         result = SessionResult(
             session_id=session.session_id, workload=session.workload, group_id=session.group_id,
             group_size=session.group_size,
-            status=SessionState.failed if error else SessionState.done, turns=len(turns),
-            prompt_tokens=prompt_tokens,
-            output_tokens=sum(len(t.output_token_ids) for t in turns),
+            status=SessionState.failed if error else SessionState.done,
+            turns=len({r.turn for r in records}) if records else len(turns),
+            prompt_tokens=len(records[0].input_token_ids) if resume and records else prompt_tokens,
+            output_tokens=sum(len(r.output_token_ids) for r in records),
             cached_tokens=sum(t.cached_tokens for t in turns),
             turn_records=records, reward=reward, error=error,
             policy_version=session.policy_version)
@@ -382,6 +424,29 @@ class SessionRunner:
                                 tool_wait_s=tool_wait, kv_token_seconds=kv_seconds,
                                 truncated=truncated)
         return Outcome(result=result, stats=stats, turns=turns)
+
+    @staticmethod
+    def _handoff(records: list[TurnRecord], cut: _TurnCut, turn: int, fed_next: list[int],
+                 before: int) -> Exception:
+        """What to raise when the worker drains inside `turn` (`before` of its tokens came
+        from an earlier worker): a Handoff with the session's partial output, or, if nothing
+        was generated yet, a plain hand back."""
+        spans = cut.spans
+        if not records and not spans:
+            return EngineUnavailable("worker draining: session handed back before it started")
+        # The cut turn's input goes in its first new record, unless a record already has it.
+        recorded = before > 0
+        first_input = [] if recorded else ((cut.prompt_ids or []) if turn == 0 else fed_next)
+        records = records + [
+            TurnRecord(turn=turn, input_token_ids=first_input if i == 0 else [],
+                       output_token_ids=sp.output_token_ids, output_logprobs=sp.output_logprobs,
+                       finish_reason=sp.finish_reason, policy_version=sp.policy_version)
+            for i, sp in enumerate(spans)]
+        context = cut.context if isinstance(cut.context, list) else (cut.prompt_ids or [])
+        return Handoff(PartialRollout(
+            turn_records=records, history_token_ids=list(context), turn=turn,
+            turn_output_tokens=cut.done,
+            next_input_token_ids=[] if recorded or spans else list(fed_next)))
 
     def _check_vocabulary(self, session: Session) -> None:
         if self.vocab_size is not None and session.prompt_token_ids:

@@ -55,6 +55,7 @@ from workers.engine import EngineInfo, EngineScrape, parse_metrics, read_engine_
 from workers.runner import (
     EngineUnavailable,
     EngineWeights,
+    Handoff,
     Progress,
     RunnerSettings,
     SessionRunner,
@@ -74,6 +75,7 @@ class WorkerSettings:
     read_count: int = 256  # admitted entries per read
     read_block_ms: int = 250  # also bounds how long a drain waits for the pull loop to notice
     drain_grace_s: float = 30.0
+    handoff_s: float = 5.0  # after the grace: how long cut sessions get to hand themselves back
     # No /health answer for this long (a hung engine): the engine is down. A refused
     # connection (nothing listens) is down at once. /metrics latency never counts.
     engine_down_after_s: float = 30.0
@@ -160,7 +162,7 @@ class Worker:
             finisher = asyncio.create_task(self._finish_loop(), name="finish")
             try:
                 await self._pull_loop(runner, stop)
-                await self._drain()
+                await self._drain(http)
             finally:
                 beats_done.set()
                 await asyncio.to_thread(beats.join)
@@ -255,16 +257,39 @@ class Worker:
                         "requeues this backend's sessions when its heartbeat expires",
                         self.settings.backend_id)
 
-    async def _drain(self) -> None:
+    async def _drain(self, http: httpx.AsyncClient) -> None:
+        """Let running sessions finish for the grace period; then cut the rest short and hand
+        them back with what they had generated: the engine's `pause(mode=abort)` ends their
+        requests with their partial output (workers/runner.py `Handoff`); a session still in
+        a tool call after `handoff_s` more is cancelled (the broker requeues it on withdraw)."""
         tasks = [t for t, _ in self._running.values()]
-        if tasks:
-            log.info("worker %s: draining %d sessions (grace %.0fs)", self.settings.backend_id,
-                     len(tasks), self.settings.drain_grace_s)
-            _, late = await asyncio.wait(tasks, timeout=self.settings.drain_grace_s)
-            for t in late:
-                t.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
-            self.counters.handed_back += len(late)
+        if not tasks:
+            return
+        log.info("worker %s: draining %d sessions (grace %.0fs)", self.settings.backend_id,
+                 len(tasks), self.settings.drain_grace_s)
+        _, late = await asyncio.wait(tasks, timeout=self.settings.drain_grace_s)
+        if not late:
+            return
+        self.weights.draining = True
+        paused = await self._engine_call(http, "/pause", {"mode": "abort"})
+        _, stuck = await asyncio.wait(late, timeout=self.settings.handoff_s)
+        for t in stuck:
+            t.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+        if paused:  # leave the engine serving for whoever uses it next
+            await self._engine_call(http, "/resume", {})
+        self.counters.handed_back += len(late)
+
+    async def _engine_call(self, http: httpx.AsyncClient, path: str, params: dict) -> bool:
+        try:
+            r = await http.post(f"{self.engine_url}{path}", params=params,
+                                timeout=self.settings.health_timeout_s)
+            r.raise_for_status()
+            return True
+        except httpx.HTTPError as exc:
+            log.warning("worker %s: engine %s failed (%s)", self.settings.backend_id, path,
+                        describe_error(exc))
+            return False
 
     async def _cancel_running(self) -> int:
         tasks = [t for t, _ in self._running.values()]
@@ -313,6 +338,9 @@ class Worker:
         try:
             out = await runner.run(a.session, progress)
             await self._finished.put((out.result, out.stats))
+        except Handoff as cut:  # draining: back to the queue with what it had generated
+            await self._hand_back(a.session.model_copy(update={"resume_from": cut.partial}),
+                                  str(cut), replace_body=True)
         except (EngineUnavailable, ToolUnavailable) as exc:  # not the session's fault
             await self._hand_back(a.session, str(exc))
         except Exception as exc:  # a bug of ours, not the session's: end it, with the reason
@@ -322,9 +350,10 @@ class Worker:
         finally:
             self._running.pop(a.session.session_id, None)
 
-    async def _hand_back(self, session: Session, why: str) -> None:
+    async def _hand_back(self, session: Session, why: str, replace_body: bool = False) -> None:
         try:
-            requeued, failed = await self._redis_until_ok(self.link.hand_back, [session], why)
+            requeued, failed = await self._redis_until_ok(self.link.hand_back, [session], why,
+                                                          None, replace_body)
         except Exception:
             log.exception("worker %s: handing %s back failed", self.settings.backend_id,
                           session.session_id)

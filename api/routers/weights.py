@@ -7,11 +7,14 @@ from fastapi import APIRouter
 
 from api.deps import AuthDep, ClientDep
 from api.errors import ApiError, from_value_error
+from api.limits import TOO_LARGE
 from api.models import ErrorPublic, PauseIn, ResumeIn, StalenessIn, WeightsPublic
 from broker.weights import WeightsState
 
 router = APIRouter(prefix="/v1/weights", tags=["weights"])
-_ERRORS = {401: {"model": ErrorPublic}, 422: {"model": ErrorPublic}}
+# The endpoints that take a body: it may not parse (400), be too large (413) or be invalid (422).
+_ERRORS = {400: {"model": ErrorPublic}, 401: {"model": ErrorPublic},
+           422: {"model": ErrorPublic}, **TOO_LARGE}
 
 
 def _public(state: WeightsState, paused_backends: list[str] | None = None) -> WeightsPublic:

@@ -6,6 +6,8 @@
 -- ARGV[1] = the broker's lease token, or '' when the backend's own worker hands sessions back
 -- ARGV[2] = backend id   ARGV[3] = now   ARGV[4] = why (kept as the session's last_error)
 -- ARGV[5] = 'dead' (only if the backend's heartbeat is gone) or 'any'   ARGV[5+i] = sid_i
+-- ARGV[5+n+i] (optional) = a new session body for sid_i ('' keeps it): a draining worker's
+-- session with the output it had generated (`resume_from`), so it goes on from there
 -- The broker passes its token (returns 'lease' unless it holds the lease): 'dead' for a
 -- backend whose heartbeat expired (returns 'alive', doing nothing, if it is back; drops the
 -- admitted stream once the backend holds nothing, so its worker registers again), 'any' for
@@ -31,6 +33,7 @@ for i = 1, n do
   local skey, rkey, sid = KEYS[6 + 2 * i], KEYS[7 + 2 * i], ARGV[5 + i]
   local st = redis.call('HMGET', skey, 'state', 'backend', 'workload', 'session', 'enqueued_at',
     'admitted_entry', 'attempts')
+  local body = ARGV[5 + n + i]
   local charge = redis.call('HGET', KEYS[4], sid)
   if charge then
     redis.call('HDEL', KEYS[4], sid)
@@ -47,6 +50,10 @@ for i = 1, n do
     local attempts = tonumber(st[7] or '0')
     if st[1] == 'running' then
       attempts = attempts + 1
+    end
+    if body and body ~= '' then
+      st[4] = body
+      redis.call('HSET', skey, 'session', body)
     end
     local ok, session = pcall(cjson.decode, st[4])
     local max_attempts = 3

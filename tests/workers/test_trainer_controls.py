@@ -206,3 +206,43 @@ def test_oversampled_groups_are_filtered_whole_and_the_surplus_is_stopped(redis_
     assert all(outcomes[f"g{g}-{m}"] == "cancelled" for g in (4, 5) for m in range(4))
     assert stopped_s < 1.0
     assert {r.group_id for r in late} <= {"g0", "g2", "g3"} - taken  # never the cancelled
+
+
+def test_a_draining_worker_hands_its_sessions_back_with_what_they_generated(redis_url,
+                                                                           namespace):
+    sessions = long_sessions(4, "d")
+    # The first engine runs in real time (~10 s for these outputs): the drain finds them all
+    # running, whatever the machine's load; the second finishes them quickly.
+    with running_engine(time_scale=1.0, kv_tokens=200_000) as e0, \
+            running_engine(time_scale=10.0, kv_tokens=200_000) as e1:
+        broker = BrokerThread(redis_url, namespace, make_policy("least_loaded")).start()
+        client = RolloutClient(redis_url, namespace)
+        first = WorkerThread(redis_url, namespace, "w0", e0.url, time_scale=1.0,
+                             drain_grace_s=0.2).start()
+        try:
+            assert wait_until(lambda: client.status()["backends"].get("w0", {}).get("healthy"),
+                              timeout=30)
+            client.enqueue(sessions)
+            assert wait_until(lambda: engines_running([e0.url]) == 4, timeout=30)
+            time.sleep(0.3)  # some output to keep
+            first.stop()  # SIGTERM's drain: grace, then cut short and handed back
+            cut_at = generation_tokens(e0.url)
+            assert 0 < cut_at < 4 * OUTPUT
+            second = WorkerThread(redis_url, namespace, "w1", e1.url, time_scale=10.0).start()
+            try:
+                got = collect(client, 4)
+            finally:
+                second.stop()
+        finally:
+            broker.stop()
+            client.close()
+        finished_on_e1 = generation_tokens(e1.url)
+    assert sorted(r.session_id for r in got) == [s.session_id for s in sessions]
+    for r in got:
+        assert r.status == SessionState.done and r.backend_id == "w1"
+        assert r.output_tokens == OUTPUT  # the whole output, across both workers
+        assert r.trajectory().loss_mask.count(1) == OUTPUT
+        assert [t.turn for t in r.turn_records] == [0, 0]  # the part before and after the drain
+        assert r.turn_records[0].input_token_ids and not r.turn_records[1].input_token_ids
+    # Nothing was generated twice: what e0 made before the drain plus what e1 made after.
+    assert cut_at + finished_on_e1 == 4 * OUTPUT
