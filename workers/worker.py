@@ -25,8 +25,10 @@ Blocking Redis calls run on a small thread pool of their own, so a blocked read 
 heartbeat. A Redis outage is ridden out: every loop waits with backoff and carries on by itself
 once Redis answers (`broker.redis_conn.Outage`, logged once per outage).
 
-Drain (SIGTERM): stop pulling, let running sessions finish for `drain_grace_s`, cancel the rest,
-then `withdraw`: the broker requeues every session still admitted here (run or not) at once.
+Drain (SIGTERM): stop pulling, let running sessions finish for `drain_grace_s`, then cut the
+rest short with the engine's `pause(mode=abort)`: each goes back to the queue with the output it
+had generated (`Session.resume_from`), to go on elsewhere; then `withdraw`: the broker requeues
+every session still admitted here (run or not) at once.
 SIGKILL loses nothing either: the heartbeat lapses and the broker reclaims the same way.
 """
 
@@ -213,25 +215,16 @@ class Worker:
         """Pause the engine with vLLM's API, then acknowledge; sessions whose requests it
         aborts wait for the resume (workers/runner.py)."""
         self.weights.pause(epoch)
-        try:
-            r = await http.post(f"{self.engine_url}/pause", params={"mode": mode},
-                                timeout=self.settings.runner.request_timeout_s)
-            r.raise_for_status()
-        except httpx.HTTPError as exc:
-            log.error("worker %s: engine did not pause (%s); pause %d not acknowledged",
-                      self.settings.backend_id, describe_error(exc), epoch)
+        # `wait` returns once the engine's requests have finished: as long as a turn may take.
+        if not await self._engine_call(http, "/pause", {"mode": mode},
+                                       self.settings.runner.request_timeout_s):
+            log.error("worker %s: pause %d not acknowledged", self.settings.backend_id, epoch)
             return
         await self._redis_until_ok(self.link.ack_paused, epoch)
         log.info("worker %s: engine paused (%s, pause %d)", self.settings.backend_id, mode, epoch)
 
     async def _resume_engine(self, http: httpx.AsyncClient, version: int) -> None:
-        try:
-            r = await http.post(f"{self.engine_url}/resume",
-                                timeout=self.settings.health_timeout_s)
-            r.raise_for_status()
-        except httpx.HTTPError as exc:
-            log.error("worker %s: engine did not resume (%s)", self.settings.backend_id,
-                      describe_error(exc))
+        await self._engine_call(http, "/resume", {})
         self.weights.resume(version)
         log.info("worker %s: engine resumed on policy version %d", self.settings.backend_id,
                  version)
@@ -280,10 +273,12 @@ class Worker:
             await self._engine_call(http, "/resume", {})
         self.counters.handed_back += len(late)
 
-    async def _engine_call(self, http: httpx.AsyncClient, path: str, params: dict) -> bool:
+    async def _engine_call(self, http: httpx.AsyncClient, path: str, params: dict,
+                           timeout_s: float | None = None) -> bool:
+        """POST one of vLLM's control endpoints (/pause, /resume); False (logged) if it fails."""
         try:
             r = await http.post(f"{self.engine_url}{path}", params=params,
-                                timeout=self.settings.health_timeout_s)
+                                timeout=timeout_s or self.settings.health_timeout_s)
             r.raise_for_status()
             return True
         except httpx.HTTPError as exc:
