@@ -136,8 +136,11 @@ def _seed(session_id: str, metadata: Metadata) -> int:
 
 
 def per_turn_value(metadata: Metadata, key: str, turn: int) -> float | None:
-    """Turn `turn`'s value of a comma-separated list in metadata (a simulated session's truth)."""
+    """Turn `turn`'s value of a simulated session's truth in metadata: a comma-separated list
+    (one value per turn), or one number for every turn."""
     raw = metadata.get(key)
+    if isinstance(raw, int | float) and not isinstance(raw, bool):
+        return float(raw)
     if not isinstance(raw, str) or not raw:
         return None
     parts = raw.split(",")

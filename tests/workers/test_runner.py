@@ -105,6 +105,9 @@ def test_sim_output_lengths_from_metadata(engine):
     s = agentic("a2", turns=3, sim_output_tokens="5,7,9")
     r = asyncio.run(run(engine.url, s)).result
     assert [len(t) for t in r.output_token_ids] == [5, 7, 9]
+    one = agentic("a2b", turns=3, sim_output_tokens=6)  # a number: the same for every turn
+    r = asyncio.run(run(engine.url, one)).result
+    assert [len(t) for t in r.output_token_ids] == [6, 6, 6]
 
 
 def test_a_tool_that_raises_fails_the_session_with_its_reason(engine):
