@@ -43,7 +43,7 @@ from broker.client import RolloutClient  # noqa: E402
 from broker.demo import Children  # noqa: E402
 from broker.redis_server import ensure_redis, free_port  # noqa: E402
 from broker.session import Session, SessionState  # noqa: E402
-from workers.engine import parse_metrics  # noqa: E402
+from workers.engine import parse_metrics, wait_healthy  # noqa: E402
 
 
 def sessions(n: int, tag: str, output: int, rng: random.Random) -> list[Session]:
@@ -51,20 +51,6 @@ def sessions(n: int, tag: str, output: int, rng: random.Random) -> list[Session]
                     prompt_token_ids=[rng.randrange(1000, 100_000) for _ in range(200)],
                     max_tokens=output + 512, metadata={"sim_output_tokens": str(output)})
             for i in range(n)]
-
-
-def wait_http(urls: list[str], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    for url in urls:
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"engine {url} not ready within {timeout_s:g}s")
-            time.sleep(0.1)
 
 
 def generated(urls: list[str]) -> int:
@@ -87,7 +73,8 @@ def run_once(args: argparse.Namespace, mode: str, repeat: int, redis_url: str) -
             children.start(f"engine-{b}", ["sim-engine", "--port", str(port), "--profile",
                                            args.profile, "--time-scale", repr(args.time_scale),
                                            "--seed", str(i), "--kv-tokens", str(args.kv_tokens)])
-        wait_http(urls)
+        for url, b in zip(urls, backends):
+            wait_healthy(url, 60.0, children.procs[f"engine-{b}"])
         for b, url in zip(backends, urls):
             children.start(b, ["worker", "--backend-id", b, "--engine", f"attach:{url}",
                                "--time-scale", repr(args.time_scale), *common])

@@ -33,6 +33,7 @@ from broker.queue import SessionQueue, validate_batch
 from broker.redis_conn import Outage, connect, is_outage
 from broker.scripts import Scripts
 from broker.session import DEFAULT_WORKLOADS, Session, SessionResult
+from broker.streams import BacklogCursor, as_text, ensure_group
 from broker.weights import (
     WeightsState,
     order_pause,
@@ -41,7 +42,6 @@ from broker.weights import (
     read_state,
     wait_paused,
 )
-from broker.streams import BacklogCursor, as_text, ensure_group
 
 MIXTURE_TOLERANCE = 1e-6
 DEFAULT_OUTAGE_TIMEOUT_S = 300.0
@@ -315,18 +315,12 @@ class RolloutClient:
     def _take(self, batch_size: int, want: dict[str, int] | None) -> list[SessionResult]:
         picked: list[tuple[str, SessionResult]] = []
         if want is None:
-            merged = sorted((e for q in self._buffer.values() for e in q),
-                            key=lambda e: _entry_order(e[0]))
-            picked = merged[:batch_size]
-            chosen = {eid for eid, _ in picked}
-            for w, q in self._buffer.items():
-                self._buffer[w] = deque(e for e in q if e[0] not in chosen)
+            picked = sorted((e for q in self._buffer.values() for e in q),
+                            key=lambda e: _entry_order(e[0]))[:batch_size]
         else:
             for w, n in want.items():
-                q = self._buffer.get(w, deque())
-                for _ in range(min(n, len(q))):
-                    picked.append(q.popleft())
-        self._handed += [(eid, r.workload) for eid, r in picked]
+                picked += list(self._buffer.get(w, ()))[:n]
+        self._release_from_buffer(picked)
         return [r for _, r in picked]
 
     # -- weight updates -------------------------------------------------------------------------

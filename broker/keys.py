@@ -125,7 +125,8 @@ class Keys:
     @property
     def weights(self) -> str:
         """Hash: paused (the pause mode, '' while generating), epoch (pauses so far), version
-        (the policy version the engines serve), control_id (the latest `control` entry)."""
+        (the policy version the engines serve), control_id (the latest `control` entry),
+        max_staleness (the staleness bound, '' for none)."""
         return f"{self.prefix}weights"
 
     @property

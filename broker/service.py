@@ -114,6 +114,10 @@ class BrokerService:
         self._backend_ids: tuple[str, ...] = ()
         self._watch_since = time.monotonic()  # since when this term has seen Redis answer
         self._orphans_checked = time.monotonic()
+        # Staleness is checked once per held entry and bound: on entries held since the last
+        # check, and on all of them when the version served or the bound changes.
+        self._unchecked: list[tuple[dict[str, _Held], _Held]] = []
+        self._stale_rule: tuple[int | None, int | None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> None:
@@ -239,7 +243,8 @@ class BrokerService:
             # refuse it as not pending, so ack it now rather than hold it.
             self._client.xack(stream, BROKER_GROUP, eid)
             return
-        queue[s.session_id] = _Held(entry=decoded, item=pending_item(s, enqueued_at))
+        held = queue[s.session_id] = _Held(entry=decoded, item=pending_item(s, enqueued_at))
+        self._unchecked.append((queue, held))
 
     def _sync(self, block: bool) -> FleetRead | None:
         """Read new entries (blocking only if `block`), completions and the fleet; reap dead
@@ -400,10 +405,9 @@ class BrokerService:
 
     def _decide_and_apply(self, fleet: FleetRead) -> int:
         weights = fleet.weights
-        if weights is not None and weights.paused:
+        if weights.paused:
             return 0  # a weight update: nothing is admitted until resume (its event wakes us)
-        if weights is not None and weights.max_staleness is not None:
-            self._expire_stale(weights)
+        self._expire_stale(weights)
         pending = self._pending_view()
         completions, self._completions = self._completions, []
         if not any(pending.values()) and not completions:
@@ -416,9 +420,18 @@ class BrokerService:
     def _expire_stale(self, weights: WeightsState) -> None:
         """Pending sessions more than the staleness bound behind the version the engines serve
         end failed before any policy sees them, unless they asked to run on current weights."""
-        stale = [(queue, held) for table in (self._front, self._back)
-                 for queue in table.values() for held in queue.values()
-                 if held.entry.session.on_stale == "fail"
+        unchecked, self._unchecked = self._unchecked, []
+        rule = (weights.version, weights.max_staleness)
+        if weights.max_staleness is None or weights.version is None:
+            self._stale_rule = rule
+            return
+        if rule != self._stale_rule:  # a new version or bound: every held entry again
+            self._stale_rule = rule
+            unchecked = [(queue, held) for table in (self._front, self._back)
+                         for queue in table.values() for held in queue.values()]
+        stale = [(queue, held) for queue, held in unchecked
+                 if queue.get(held.item.session_id) is held
+                 and held.entry.session.on_stale == "fail"
                  and weights.is_stale(held.entry.session.policy_version)]
         if not stale:
             return

@@ -24,8 +24,8 @@ from broker.policies.base import (
     Snapshot,
 )
 from broker.session import Session, SessionResult
-from broker.weights import WeightsState
 from broker.streams import as_text
+from broker.weights import NOT_UPDATED, WeightsState
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +39,7 @@ class FleetRead:
     mixture: Mapping[str, float]
     consumed: Mapping[str, int]
     results: tuple[tuple[str, Mapping], ...] = ()  # results-stream entries after `results_after`
-    weights: WeightsState | None = None  # pause, version served and staleness bound
+    weights: WeightsState = NOT_UPDATED  # pause, version served and staleness bound
 
 
 def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],

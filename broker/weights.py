@@ -56,6 +56,9 @@ class WeightsState:
                 and self.version - oldest_version > self.max_staleness)
 
 
+NOT_UPDATED = WeightsState.from_hash({})  # a namespace whose weights were never paused or set
+
+
 def check_mode(mode: str) -> str:
     if mode not in PAUSE_MODES:
         raise ValueError(f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")

@@ -38,8 +38,8 @@ from broker.ledger import Ledger
 from broker.redis_conn import connect
 from broker.scripts import Scripts
 from broker.session import Session, SessionResult, SessionState
-from broker.weights import WeightsState, read_state
 from broker.streams import BacklogCursor, as_text
+from broker.weights import WeightsState, read_state
 
 
 class CompletionStats(BaseModel):

@@ -3,8 +3,8 @@
 Routes (as vLLM serves them): POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize,
 /v1/completions/render, /v1/chat/completions/render; POST /pause?mode=abort|wait|keep
 (&clear_cache=), /resume and GET /is_paused (RL weight updates: driver.py); GET /v1/models,
-/health, /ping, /version, /metrics, /server_info. Nothing is created at import time; `create_app` builds the engine core and
-the driver task starts with the app's lifespan.
+/health, /ping, /version, /metrics, /server_info. Nothing is created at import time;
+`create_app` builds the engine core and the driver task starts with the app's lifespan.
 
 With `fault_injection` (`rollout-broker sim-engine --fault-injection`, for fault drills such as
 benchmarks/chaos.py; off by default) one more route, `POST /sim/faults {"metrics_delay_s": S}`,

@@ -57,3 +57,23 @@ def test_a_bad_bound_is_refused_naming_the_field(redis_url, namespace):
         for bad in (-1, 1.5, True):
             with pytest.raises(ValueError, match="max_staleness: must be a non-negative"):
                 client.set_max_staleness(bad)
+
+
+def test_sessions_already_waiting_expire_when_the_version_moves_past_the_bound(redis_url,
+                                                                              namespace):
+    client = RolloutClient(redis_url, namespace)
+    client.resume(5)
+    client.set_max_staleness(1)
+    client.enqueue([session("w0", 5), session("w1", 4)])  # fresh now; no backend to run them
+    broker = BrokerThread(redis_url, namespace).start()
+    try:
+        assert client.results(2, timeout=0.5) == []  # held by the broker, not stale yet
+        client.resume(7)  # the engines move on: both are now more than 1 behind
+        got = []
+        assert wait_until(lambda: len(got.__iadd__(client.results(2, timeout=0.2)) or got) >= 2,
+                          timeout=20, every=0)
+    finally:
+        broker.stop()
+        client.close()
+    assert sorted(r.session_id for r in got) == ["w0", "w1"]
+    assert all(r.status == SessionState.failed and r.error.startswith("stale: ") for r in got)
