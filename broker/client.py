@@ -329,7 +329,7 @@ class RolloutClient:
         live worker pauses its engine with vLLM's `mode` (`abort`, `wait` or `keep`). Returns
         once all of them have, with their backend ids; TimeoutError names any that did not."""
         epoch = self._retry(order_pause, self._client, self._scripts, self.keys, mode)
-        return wait_paused(self._client, self.keys, epoch, timeout)
+        return self._retry(wait_paused, self._client, self.keys, epoch, timeout)
 
     def resume(self, version: int) -> int:
         """Generation goes on with the weights of policy `version` (the trainer has loaded
