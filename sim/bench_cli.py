@@ -146,6 +146,7 @@ def print_table(console: Console, scenario: str, results: dict[str, FleetResult]
                   f"{m.kv_utilisation:.2f}", f"{m.latency_p99_s:.0f}",
                   "yes" if r.completed else "CUT", f"{walls.get(name, 0):.0f}")
     console.print(t)
+    print_weight_updates(console, results)
     any_result = next(iter(results.values()), None)
     if bound is not None:
         console.print(f"fluid bound {bound.tokens_per_s:,.0f} tok/s: {bound.seqs_per_engine:.0f} "
@@ -158,6 +159,23 @@ def print_table(console: Console, scenario: str, results: dict[str, FleetResult]
     for name, r in results.items():
         for w in r.metrics.warnings:
             console.print(f"[yellow]warning:[/] {name}: {w}")
+
+
+def print_weight_updates(console: Console, results: dict[str, FleetResult]) -> None:
+    """What the scenario's weight updates cost each policy (nothing when it has none)."""
+    rows = {n: r.metrics.weight_updates for n, r in results.items()
+            if r.metrics.weight_updates is not None}
+    if not rows:
+        return
+    t = Table(title="weight updates (pause → every engine paused → load → resume)")
+    for col in ("policy", "updates", "paused s / update", "drain s / update", "tokens kept",
+                "tokens thrown away", "re-prefill tokens"):
+        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "policy")
+    for name, wu in rows.items():
+        n = max(wu.updates, 1)
+        t.add_row(name, f"{wu.updates:,}", f"{wu.paused_s / n:.2f}", f"{wu.drain_s / n:.2f}",
+                  f"{wu.tokens_kept:,}", f"{wu.tokens_thrown_away:,}", f"{wu.reprefill_tokens:,}")
+    console.print(t)
 
 
 def parse_policies(text: str) -> list[str]:

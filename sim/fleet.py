@@ -48,6 +48,7 @@ from sim.metrics import (
     RunMetrics,
     SessionRecord,
     Trainer,
+    WeightUpdateStats,
     summarize,
 )
 from sim.scenario import Scenario
@@ -55,7 +56,7 @@ from sim.workloads.source import SessionSource
 from sim.workloads.truth import SimSession
 
 # Event kinds, in the order they are handled at one instant.
-_RESULT, _TOOL_RETURN, _HEARTBEAT, _TELEMETRY, _ARRIVAL = 0, 1, 2, 3, 4
+_RESULT, _TOOL_RETURN, _HEARTBEAT, _TELEMETRY, _ARRIVAL, _PAUSE, _RESUME = 0, 1, 2, 3, 4, 5, 6
 
 
 class SimulationError(RuntimeError):
@@ -86,6 +87,16 @@ class _Live:
     kv_turns: list[tuple[int, int, float]] = field(default_factory=list)  # see kv_token_seconds
     kv_waits: list[tuple[int, float]] = field(default_factory=list)
     truncated: bool = False
+    partial: list[int] = field(default_factory=list)  # this turn's output before a pause stopped it
+    resuming: bool = False  # the request on the engine resumes a stopped turn
+
+
+@dataclass(slots=True)
+class _Pause:
+    """A weight update in progress: pause → every engine paused → `sync_s` → resume."""
+
+    started_at: float
+    paused_at: float | None = None  # None while engines drain (abort, wait)
 
 
 @dataclass
@@ -146,6 +157,12 @@ class FleetSim:
         self._dirty = True  # something changed that the policy may act on
         self._arrival_at: float | None = None  # when the scheduled trace-arrival event fires
         self.decide_calls = 0
+        self.weight_update = scenario.trainer.weight_update
+        self._pause: _Pause | None = None
+        self._updates_due = 0  # updates that came due during another: each starts at its resume
+        self._held: list[_Live] = []  # turns submitted while paused: they start on resume
+        self._update_totals = {"updates": 0, "paused_s": 0.0, "drain_s": 0.0, "tokens_kept": 0,
+                               "tokens_thrown_away": 0, "reprefill_tokens": 0}
 
     def true_output_lengths(self, session_id: str) -> tuple[int, ...]:
         """The hidden truth, for the `misa_t-true-lengths` reference only (the bench wires it in)."""
@@ -180,7 +197,7 @@ class FleetSim:
                 if kind == _HEARTBEAT:
                     if self.trainer.stalled():
                         break  # a finite trace ran dry before the iterations were complete
-                    stuck = self._fleet_idle() and any(self.pending.values())
+                    stuck = self._fleet_idle() and any(self.pending.values()) and self._pause is None
                     idle_beats = idle_beats + 1 if stuck else 0
                     if idle_beats > 120:
                         raise SimulationError(
@@ -196,8 +213,14 @@ class FleetSim:
                 elif kind == _ARRIVAL:
                     self._arrival_at = None
                     self._enqueue_from_trainer()
+                elif kind == _PAUSE:
+                    self._start_pause()
+                elif kind == _RESUME:
+                    self._resume()
                 else:
                     self._on_result(self.live.pop(sid))
+            if self._pause is not None and self._pause.paused_at is None:
+                self._check_paused()  # abort, wait: the last request in flight may have ended
             # Handle everything else due at this instant before asking the policy.
             if self._events and self._events[0][0] <= self.now:
                 continue
@@ -225,20 +248,24 @@ class FleetSim:
             self._schedule(max(nxt, self.now), _ARRIVAL, "")
 
     def _make_pending(self, live: _Live) -> None:
+        """A session (or, for a router, a follow-up turn) the policy may place. A broker sees
+        a session a pause stopped as new, as the live broker sees a requeued partial rollout:
+        its prompt is the conversation so far, and it may go to any backend."""
         s = live.sim.session
         prompt = live.history
+        turn = live.turn if self.policy.dispatch_on_arrival else 0
         self.pending[s.workload].append(PendingItem(
             session_id=s.session_id, workload=s.workload, group_id=s.group_id,
             group_size=s.group_size, prompt_tokens=len(prompt), prefix=tuple(prompt),
-            max_tokens=s.max_tokens, max_turns=s.max_turns, turn=live.turn,
-            home_backend=live.backend if live.turn else None, enqueued_at=self.now,
+            max_tokens=s.max_tokens - len(live.partial), max_turns=s.max_turns, turn=turn,
+            home_backend=live.backend if turn else None, enqueued_at=self.now,
         ))
         self._dirty = True
 
     # -- the policy ------------------------------------------------------------------------
     def _maybe_decide(self) -> None:
-        if not self._dirty or not any(self.pending.values()):
-            return
+        if not self._dirty or not any(self.pending.values()) or self._pause is not None:
+            return  # (paused: the trainer and the broker send nothing until the resume)
         self._dirty = False
         snapshot = Snapshot(
             now=self.now,
@@ -297,15 +324,22 @@ class FleetSim:
     def _submit_turn(self, live: _Live) -> None:
         sim = live.sim
         prompt = live.history
+        live.waiting_on_tool = False
+        if self._pause is not None:
+            self._held.append(live)  # the engine is paused: the request starts on resume
+            self._update_resident(live)
+            return
+        kept = len(live.partial)  # a stopped turn resumes: prompt + its output so far
+        live.resuming = kept > 0
         req = EngineRequest(
-            request_id=f"{sim.session_id}#{live.turn}", prompt_token_ids=prompt,
-            max_tokens=sim.session.max_tokens, output_len=sim.truth.output_tokens[live.turn],
+            request_id=f"{sim.session_id}#{live.turn}" + (f"+{kept}" if kept else ""),
+            prompt_token_ids=prompt, max_tokens=sim.session.max_tokens - kept,
+            output_len=sim.truth.output_tokens[live.turn] - kept,
             seed=sim.truth.token_seed * 1000 + live.turn, arrival_time=self.now,
             prefix_block_hashes=live.history_hashes,
         )
         live.request = req
         live.prompt_len = len(prompt)
-        live.waiting_on_tool = False
         self.by_request[req.request_id] = live
         self.engines[live.backend].add_request(req)
         self._update_resident(live)
@@ -313,9 +347,15 @@ class FleetSim:
     def _on_turn_finished(self, req: EngineRequest) -> None:
         live = self.by_request.pop(req.request_id)
         live.request = None
+        if live.resuming and req.num_cached_tokens >= 0:
+            self._update_totals["reprefill_tokens"] += req.num_prompt_tokens - req.num_cached_tokens
+        if req.finish_reason is FinishReason.abort:
+            self._on_turn_stopped(live, req)
+            return
         live.parked_context = live.prompt_len + req.num_output_tokens  # KV it holds while parked
-        live.outputs.append(req.output_token_ids)
-        live.generated += req.num_output_tokens
+        live.outputs.append(live.partial + req.output_token_ids)
+        live.generated += len(live.outputs[-1])
+        live.partial = []
         live.cached_tokens += max(0, req.num_cached_tokens)
         live.truncated |= req.finish_reason is FinishReason.length
         if live.first_token_at is None:
@@ -328,7 +368,7 @@ class FleetSim:
         if live.turn < truth.turns:
             # Turn k+1's prompt is turn k's prompt, its output and the tool's observation; the
             # hashes of the blocks the engine already computed carry over.
-            live.history = live.history + live.outputs[-1] + truth.observation_token_ids(live.turn - 1)
+            live.history = live.history + req.output_token_ids + truth.observation_token_ids(live.turn - 1)
             live.history_hashes = req.block_hashes  # all within prompt + output tokens
             wait = truth.tool_latency_s[live.turn - 1]
             live.tool_wait_s += wait
@@ -351,6 +391,86 @@ class FleetSim:
         self._dirty = True
         self._schedule(self.now + truth.final_latency_s, _RESULT, live.sim.session_id)
 
+    def _on_turn_stopped(self, live: _Live, req: EngineRequest) -> None:
+        """A pause with mode=abort stopped the turn: the session goes back to pending, to
+        resume from its output so far (a partial rollout: its prompt grows by that output,
+        which is prefilled again) or, with `partial: false`, to run the turn again."""
+        n = req.num_output_tokens
+        live.cached_tokens += max(0, req.num_cached_tokens)
+        if n and live.first_token_at is None:
+            live.first_token_at = req.first_token_time
+        if req.finish_time is not None and req.num_cached_tokens >= 0:
+            live.kv_turns.append((live.prompt_len, n, req.finish_time - req.arrival_time))
+        if self.weight_update.partial:
+            live.partial += req.output_token_ids
+            live.history = live.history + req.output_token_ids
+            live.history_hashes = req.block_hashes
+            self._update_totals["tokens_kept"] += n
+        else:
+            self._update_totals["tokens_thrown_away"] += n
+        self._release(live)
+        self._make_pending(live)
+
+    # -- weight updates --------------------------------------------------------------------
+    def _on_iteration(self, it: IterationRecord) -> None:
+        wu = self.weight_update
+        if wu is not None and (it.index + 1) % wu.every == 0 and not self.trainer.done:
+            self._schedule(self.now + self.scenario.trainer.train_s, _PAUSE, "")
+        if self.on_iteration is not None:
+            self.on_iteration(it)
+
+    def _start_pause(self) -> None:
+        """Pause every engine with the scenario's mode (vLLM's `POST /pause?mode=`): keep
+        freezes each engine where it is, abort stops every request at the next step boundary,
+        wait lets them finish. Turns submitted from now on wait for the resume."""
+        if self._pause is not None:
+            self._updates_due += 1
+            return
+        self._pause = _Pause(started_at=self.now)
+        mode = self.weight_update.mode
+        for engine in self.engines.values():
+            if mode == "keep":
+                engine.freeze(self.now)
+            else:
+                engine.settle(self.now)
+                if mode == "abort":
+                    engine.abort_all()
+            for req in engine.advance(self.now):  # what finished or stopped by now
+                self._on_turn_finished(req)
+        if mode == "keep":
+            self._paused()
+        else:
+            self._check_paused()
+
+    def _check_paused(self) -> None:
+        if not any(e.has_unfinished() for e in self.engines.values()):
+            if self.weight_update.clear_cache:
+                for engine in self.engines.values():
+                    engine.reset_prefix_cache()
+            self._paused()
+
+    def _paused(self) -> None:
+        """Every engine is paused: the trainer loads the new weights, then resumes them."""
+        self._pause.paused_at = self.now
+        self._schedule(self.now + self.weight_update.sync_s, _RESUME, "")
+
+    def _resume(self) -> None:
+        pause, self._pause = self._pause, None
+        totals = self._update_totals
+        totals["updates"] += 1
+        totals["paused_s"] += self.now - pause.started_at
+        totals["drain_s"] += pause.paused_at - pause.started_at
+        for engine in self.engines.values():
+            if self.weight_update.mode == "keep":
+                engine.unfreeze(self.now)
+        held, self._held = self._held, []
+        for live in held:
+            self._submit_turn(live)
+        self._dirty = True
+        if self._updates_due:
+            self._updates_due -= 1
+            self._start_pause()
+
     def _on_tool_return(self, live: _Live) -> None:
         if self.policy.dispatch_on_arrival:
             self._make_pending(live)  # the router sees the next turn as a new request
@@ -367,8 +487,7 @@ class FleetSim:
         )
         self.records.append(record)
         for it in self.trainer.on_result(record, self.now):
-            if self.on_iteration is not None:
-                self.on_iteration(it)
+            self._on_iteration(it)
         self._enqueue_from_trainer()
 
     # -- the ledger view -------------------------------------------------------------------
@@ -383,7 +502,7 @@ class FleetSim:
             session_id=s.session_id, workload=s.workload, group_id=s.group_id,
             reserved_tokens=live.reserved, prompt_tokens=len(s.prompt_token_ids),
             context_tokens=live.prompt_len + out_now if req is not None else live.parked_context,
-            generated_tokens=done_out + out_now,
+            generated_tokens=done_out + len(live.partial) + out_now,
             turn=live.turn + (1 if req is not None else 0), max_tokens=s.max_tokens,
             max_turns=s.max_turns, waiting_on_tool=live.waiting_on_tool,
             admitted_at=live.admitted_at if live.admitted_at is not None else self.now,
@@ -463,6 +582,8 @@ class FleetSim:
         metrics = summarize(self.records, iterations, engines, self.kv_samples,
                             self.trainer.mixture, 0.0, end, self.scenario.trainer.batch_size,
                             first_fill)
+        if self.weight_update is not None:
+            metrics = replace(metrics, weight_updates=WeightUpdateStats(**self._update_totals))
         return FleetResult(
             policy=self.policy.name, metrics=metrics, iterations=list(iterations),
             sessions=list(self.records), kv_samples=self.kv_samples, engines=engines,

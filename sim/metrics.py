@@ -108,6 +108,28 @@ class DriftReport:
 
 
 @dataclass(frozen=True, slots=True)
+class WeightUpdateStats:
+    """What the run's weight updates cost (`trainer.weight_update`).
+
+    - `paused_s`: pause → resume of each update, summed (the fleet admits nothing meanwhile);
+    - `drain_s`: pause → every engine paused, summed (abort: the step in flight; wait: every
+      request in flight finishing; keep: 0);
+    - `tokens_kept`: output tokens of stopped requests that their sessions resumed from;
+    - `tokens_thrown_away`: output tokens of stopped requests that were generated again
+      (`partial: false`);
+    - `reprefill_tokens`: prompt tokens computed again by the requests that resumed a stopped
+      turn (its prompt and the output kept, less what the prefix cache still held).
+    """
+
+    updates: int
+    paused_s: float
+    drain_s: float
+    tokens_kept: int
+    tokens_thrown_away: int
+    reprefill_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class RunMetrics:
     span_s: float
     tokens_per_s: float
@@ -125,6 +147,7 @@ class RunMetrics:
     steady_turnovers: float  # sessions returned in the steady state / the first fill
     drift: DriftReport
     warnings: tuple[str, ...] = ()
+    weight_updates: WeightUpdateStats | None = None  # None: the scenario updates no weights
 
 
 def throughput(sessions: Iterable[SessionRecord], start: float, end: float) -> tuple[float, float]:

@@ -157,6 +157,27 @@ class FleetSpec(BaseModel):
     max_num_batched_tokens: PosInt | None = None
 
 
+class WeightUpdateSpec(BaseModel):
+    """Weight updates as RL frameworks push them to the engines: pause every engine (vLLM's
+    `POST /pause?mode=`), load the new weights for `sync_s`, resume. The trainer stops sending
+    while paused; see sim.fleet for what each mode does to requests in flight."""
+
+    model_config = _STRICT
+
+    # keep: freeze requests in place; abort: stop them (partial rollouts); wait: let them finish.
+    mode: Literal["keep", "abort", "wait"] = "keep"
+    sync_s: NonNegFloat  # from every engine paused to resume: loading the new weights
+    every: PosInt = 1  # trainer iterations (sync: steps) per update
+    partial: bool = True  # abort: resume a stopped session from its output (False: regenerate)
+    clear_cache: bool = True  # abort/wait: drop the prefix cache before resuming (keep: in use)
+
+    @model_validator(mode="after")
+    def _mode_fields(self) -> WeightUpdateSpec:
+        if self.mode != "abort" and not self.partial:
+            raise ValueError("partial: only a mode=abort pause stops requests part-way")
+        return self
+
+
 class TrainerSpec(BaseModel):
     """The RL trainer: iterations of `batch_size` results; see sim.metrics.Trainer."""
 
@@ -171,8 +192,11 @@ class TrainerSpec(BaseModel):
     inflight_bound: PosInt
     # async only: the producer is at most this many iterations ahead of the trainer.
     max_staleness: Annotated[int, Field(ge=0)] | None = None
-    # sync only: simulated seconds of training between one step's last result and the next.
+    # Simulated seconds of training on a batch. sync: between one step's last result and the
+    # next step; async (with weight_update only): from an iteration's batch to its weight update.
     train_s: NonNegFloat = 0.0
+    # Push new weights to the engines every `every` iterations (None: the weights never change).
+    weight_update: WeightUpdateSpec | None = None
     # buffer: closed loop, enqueue to keep the buffer full; recorded: replay trace arrival times.
     arrival: Literal["buffer", "recorded"] = "buffer"
 
@@ -183,8 +207,9 @@ class TrainerSpec(BaseModel):
                 raise ValueError("max_staleness: only an async loop has one")
             if self.arrival != "buffer":
                 raise ValueError("arrival: a sync loop makes its own steps ('buffer' only)")
-        elif self.train_s:
-            raise ValueError("train_s: only a sync loop waits for training")
+        elif self.train_s and self.weight_update is None:
+            raise ValueError("train_s: an async loop trains while rollouts run; it only delays a "
+                             "weight_update, so set one")
         return self
 
 
