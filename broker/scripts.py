@@ -16,6 +16,7 @@ from redis.commands.core import Script
 SCRIPT_NAMES = (
     "enqueue", "admit", "finish", "mark_running", "heartbeat", "requeue", "cancel", "recharge",
     "lease_renew", "lease_release", "dead_letter", "ack_results", "weights", "expire",
+    "checkpoint",
 )
 
 
@@ -43,6 +44,7 @@ class Scripts:
     ack_results: Script
     weights: Script
     expire: Script
+    checkpoint: Script
 
     def __init__(self, client: redis.Redis) -> None:
         for name in SCRIPT_NAMES:

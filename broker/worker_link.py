@@ -162,6 +162,14 @@ class WorkerLink:
                                        client=pipe)
         return [as_text(r) == "ok" for r in pipe.execute()] if session_ids else []
 
+    def checkpoint(self, session: Session) -> bool:
+        """Store `session` (with `resume_from`: the turns it has finished) as the body a requeue
+        uses if this worker or its engine dies mid-session (lua/checkpoint.lua). False: the
+        session no longer runs here."""
+        return int(self._scripts.checkpoint(
+            keys=[self.keys.session(session.session_id)],
+            args=[self.backend_id, session.model_dump_json(exclude_defaults=True)])) == 1
+
     def finish(self, result: SessionResult, stats: CompletionStats | None = None,
                now: float | None = None) -> str:
         """Publish the session's result. Returns 'ok', 'duplicate' or 'stale' (not published)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -298,10 +299,13 @@ class SessionRunner:
                 raise EngineError(f"engine: {last}")
         raise EngineUnavailable(f"engine: {last} (after {cfg.retries + 1} attempts)")
 
-    async def run(self, session: Session, progress: Progress | None = None) -> Outcome:
+    async def run(self, session: Session, progress: Progress | None = None,
+                  checkpoint: Callable[[PartialRollout], Awaitable[None]] | None = None) -> Outcome:
         """Run the session to its end. Returns its outcome (`done`, or `failed` with the
         reason when the fault is the session's); raises `EngineUnavailable` when it is the
-        engine's."""
+        engine's. `checkpoint` receives, after each turn whose tool answered, what the session
+        would go on from (the worker stores it, so a dead worker or engine loses no finished
+        turn)."""
         progress = progress or Progress(session.session_id)
         turns: list[Turn] = []
         records: list[TurnRecord] = []
@@ -386,6 +390,10 @@ class SessionRunner:
                 if outcome.done:
                     break
                 history = history + observation
+                if checkpoint is not None:
+                    await checkpoint(PartialRollout(
+                        turn_records=list(records), history_token_ids=history, turn=turn + 1,
+                        next_input_token_ids=observation))
             if session.reward is not None:
                 progress.waiting_on_tool = True
                 trajectory = SessionResult(session_id=session.session_id,

@@ -45,7 +45,7 @@ import httpx
 
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
 from broker.redis_conn import Outage, is_outage
-from broker.session import Session, SessionResult, SessionState
+from broker.session import PartialRollout, Session, SessionResult, SessionState
 from broker.worker_link import (
     AdmittedSession,
     BackendReclaimed,
@@ -330,8 +330,11 @@ class Worker:
         self.counters.started += 1
 
     async def _run_one(self, runner: SessionRunner, a: AdmittedSession, progress: Progress) -> None:
+        async def checkpoint(partial: PartialRollout) -> None:
+            await self._checkpoint(a.session.model_copy(update={"resume_from": partial}))
+
         try:
-            out = await runner.run(a.session, progress)
+            out = await runner.run(a.session, progress, checkpoint=checkpoint)
             await self._finished.put((out.result, out.stats))
         except Handoff as cut:  # draining: back to the queue with what it had generated
             await self._hand_back(a.session.model_copy(update={"resume_from": cut.partial}),
@@ -344,6 +347,16 @@ class Worker:
             await self._finished.put((crashed_result(a.session, exc), CompletionStats()))
         finally:
             self._running.pop(a.session.session_id, None)
+
+    async def _checkpoint(self, session: Session) -> None:
+        """Store what the session has done (its finished turns) for a requeue to go on from;
+        a Redis error skips this one (the next turn's, or the previous, stands)."""
+        try:
+            await self._redis(self.link.checkpoint, session)
+        except Exception as exc:
+            log.log(logging.DEBUG if is_outage(exc) else logging.WARNING,
+                    "worker %s: checkpoint of %s skipped (%s)", self.settings.backend_id,
+                    session.session_id, describe_error(exc))
 
     async def _hand_back(self, session: Session, why: str, replace_body: bool = False) -> None:
         try:

@@ -47,6 +47,7 @@ end
 redis.call('XADD', KEYS[5], '*', 'sid', sid, 'workload', workload, 'status', ARGV[3],
   'result', ARGV[4], 'stats', ARGV[5])
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'finished_at', ARGV[6])
+redis.call('HDEL', KEYS[1], 'checkpoint')
 redis.call('HINCRBYFLOAT', KEYS[7], workload, ARGV[7])
 redis.call('HINCRBY', KEYS[7], 'n:' .. workload, 1)
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', '10000', '*', 'kind', 'finish', 'backend', ARGV[2])

@@ -7,7 +7,8 @@
 -- ARGV[2] = backend id   ARGV[3] = now   ARGV[4] = why (kept as the session's last_error)
 -- ARGV[5] = 'dead' (only if the backend's heartbeat is gone) or 'any'   ARGV[5+i] = sid_i
 -- ARGV[5+n+i] (optional) = a new session body for sid_i ('' keeps it): a draining worker's
--- session with the output it had generated (`resume_from`), so it goes on from there
+-- session with the output it had generated (`resume_from`), so it goes on from there. Without
+-- one, the session's last checkpoint (checkpoint.lua: its finished turns) is the body.
 -- The broker passes its token (returns 'lease' unless it holds the lease): 'dead' for a
 -- backend whose heartbeat expired (returns 'alive', doing nothing, if it is back; drops the
 -- admitted stream once the backend holds nothing, so its worker registers again), 'any' for
@@ -32,8 +33,11 @@ local n = (#KEYS - 7) / 2
 for i = 1, n do
   local skey, rkey, sid = KEYS[6 + 2 * i], KEYS[7 + 2 * i], ARGV[5 + i]
   local st = redis.call('HMGET', skey, 'state', 'backend', 'workload', 'session', 'enqueued_at',
-    'admitted_entry', 'attempts')
+    'admitted_entry', 'attempts', 'checkpoint')
   local body = ARGV[5 + n + i]
+  if (not body or body == '') and st[8] then
+    body = st[8]
+  end
   local charge = redis.call('HGET', KEYS[4], sid)
   if charge then
     redis.call('HDEL', KEYS[4], sid)
@@ -60,7 +64,8 @@ for i = 1, n do
     if ok and type(session) == 'table' and tonumber(session.max_attempts) then
       max_attempts = tonumber(session.max_attempts)
     end
-    redis.call('HDEL', skey, 'backend', 'reserved', 'admitted_at', 'admitted_entry', 'running_at')
+    redis.call('HDEL', skey, 'backend', 'reserved', 'admitted_at', 'admitted_entry', 'running_at',
+      'checkpoint')
     if attempts >= max_attempts then
       local why = 'gave up after ' .. attempts .. ' attempts; the last: ' .. ARGV[4]
       local result = {session_id = sid, workload = st[3], status = 'failed', backend_id = ARGV[2],

@@ -201,6 +201,54 @@ def test_requeue_of_a_dead_backend_goes_to_the_front_and_releases(world, redis_c
     assert redis_client.hget(k.session("s2"), "attempts") == b"1"
 
 
+def test_a_requeue_goes_on_from_the_last_checkpoint_of_the_backend_running_it(world, redis_client):
+    from broker.session import PartialRollout, Session, TurnRecord
+
+    link, other = world.backend("b0"), world.backend("b1")
+    world.q.enqueue([make_session(1), make_session(2)])
+    e = world.read_pending()
+    world.admit("s1", "b0", 10, e["s1"])
+    world.admit("s2", "b0", 10, e["s2"])
+    k = world.k
+
+    def body(sid: str, turn: int) -> Session:
+        rec = TurnRecord(turn=0, input_token_ids=[1, 2], output_token_ids=[3] * turn)
+        return make_session(int(sid[1:])).model_copy(update={"resume_from": PartialRollout(
+            turn_records=[rec], history_token_ids=[1, 2] + [3] * turn + [4], turn=turn,
+            next_input_token_ids=[4])})
+
+    assert not link.checkpoint(body("s1", 1))  # admitted, not running yet: nothing to keep
+    link.mark_running_many(["s1", "s2"])
+    assert not other.checkpoint(body("s1", 1))  # only the backend running it writes
+    assert link.checkpoint(body("s1", 1)) and link.checkpoint(body("s1", 2))
+    assert link.checkpoint(body("s2", 1))
+    redis_client.delete(k.heartbeat("b0"))  # b0 died
+    assert world.s.requeue(keys=requeue_keys(k, "b0", [("s1", "rlvr"), ("s2", "rlvr")]),
+                           args=[TOKEN, "b0", "2.0", "heartbeat expired", "dead", "s1", "s2"]
+                           + ["", body("s2", 7).model_dump_json()]) == [2, 0]
+    requeued = {f[b"sid"].decode(): Session.model_validate_json(f[b"session"])
+                for _, f in redis_client.xrange(k.requeue("rlvr"))}
+    assert requeued["s1"] == body("s1", 2)  # the latest checkpoint
+    assert requeued["s2"] == body("s2", 7)  # a body given (a drain's) wins over a checkpoint
+    assert Session.model_validate_json(redis_client.hget(k.session("s1"), "session")) == body("s1", 2)
+    assert not redis_client.hexists(k.session("s1"), "checkpoint")
+    assert not redis_client.hexists(k.session("s2"), "checkpoint")
+
+
+def test_finish_drops_the_checkpoint(world, redis_client):
+    from broker.session import PartialRollout
+
+    link = world.backend("b0")
+    world.q.enqueue([make_session(1)])
+    world.admit("s1", "b0", 10, world.read_pending()["s1"])
+    link.mark_running("s1")
+    assert link.checkpoint(make_session(1).model_copy(update={"resume_from": PartialRollout(
+        turn_records=[], history_token_ids=[1], turn=1)}))
+    assert link.finish(result("s1")) == "ok"
+    assert not redis_client.hexists(world.k.session("s1"), "checkpoint")
+    assert not link.checkpoint(make_session(1))  # done: nothing more to keep
+
+
 def test_a_late_finish_is_taken_until_another_backend_has_the_session(world, redis_client):
     link = world.backend("b0")
     other = world.backend("b1")

@@ -7,11 +7,11 @@ import asyncio
 import httpx
 import pytest
 
-from broker.session import Session, SessionState
+from broker.session import PartialRollout, SamplingParams, Session, SessionState
 from sim.server.testing import running_engine
 from workers.engine import read_engine_info
 from tests.workers.tools_for_tests import TOOLS_TOML
-from workers.runner import EngineUnavailable, RunnerSettings, SessionRunner
+from workers.runner import EngineUnavailable, Outcome, RunnerSettings, SessionRunner
 from workers.tools import InlineExecutor, load_registry
 
 pytestmark = pytest.mark.timeout(60)
@@ -222,3 +222,36 @@ def test_engine_info_reads_capacity_and_context(engine):
     assert info.capacity_tokens == 200_000 // 16 * 16
     assert info.max_model_len > 0 and info.model == engine.model_name
     assert info.vocab_size == 128_256  # the h100-8b profile's (Llama 3), from the model card
+
+
+def test_a_session_resumed_from_a_checkpoint_ends_as_if_never_stopped(engine):
+    """After each turn whose tool answered, the runner offers a checkpoint. A session that
+    goes on from one (another worker, after this one died) generates only the turns left
+    and ends with the same records as a run that never stopped."""
+    session = agentic("cp1", turns=4).model_copy(
+        update={"sampling": SamplingParams(seed=5, logprobs=True)})
+    seen: list[PartialRollout] = []
+
+    async def keep(partial: PartialRollout) -> None:
+        seen.append(partial)
+
+    async def whole() -> Outcome:
+        info = read_engine_info(engine.url)
+        tools = InlineExecutor(timeout_s=5.0, registry=REGISTRY)
+        async with httpx.AsyncClient() as http:
+            runner = SessionRunner(http, engine.url, info.model, info.max_model_len, tools,
+                                   RunnerSettings(time_scale=200.0), vocab_size=info.vocab_size)
+            try:
+                return await runner.run(session, checkpoint=keep)
+            finally:
+                await tools.aclose()
+
+    full = asyncio.run(whole()).result
+    assert full.status == SessionState.done, full.error
+    assert [p.turn for p in seen] == [1, 2, 3]  # none after the last turn
+    assert [len({r.turn for r in p.turn_records}) for p in seen] == [1, 2, 3]
+    out = asyncio.run(run(engine.url, session.model_copy(update={"resume_from": seen[1]})))
+    assert len(out.turns) == 2  # only turns 2 and 3 ran again
+    assert out.result.status == SessionState.done, out.result.error
+    assert out.result.turn_records == full.turn_records
+    assert out.result.trajectory() == full.trajectory()

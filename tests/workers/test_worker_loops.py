@@ -58,7 +58,7 @@ def test_after_a_lost_reply_duplicate_means_it_was_ours():
 
 def test_a_bug_in_a_session_ends_it_failed_with_the_reason():
     class Broken:
-        async def run(self, session, progress):
+        async def run(self, session, progress, checkpoint=None):
             raise KeyError("surprise")
 
     w = worker()
