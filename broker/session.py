@@ -226,7 +226,10 @@ class Session(BaseModel):
 
     @property
     def prompt_len_hint(self) -> int:
-        """Prompt length in tokens (exact for token ids; ~4 chars/token estimate for text)."""
+        """Tokens the session's next request starts from: its prompt (exact for token ids;
+        ~4 chars/token for text), or for a resumed session the context it goes on from."""
+        if self.resume_from is not None:
+            return len(self.resume_from.history_token_ids)
         if self.prompt_token_ids is not None:
             return len(self.prompt_token_ids)
         return max(1, len(self.prompt_text or "") // 4)

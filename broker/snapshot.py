@@ -87,8 +87,12 @@ def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
 
 
 def pending_item(session: Session, enqueued_at: float) -> PendingItem:
-    """A new session as the policy sees it; the prefix is token ids, or UTF-8 bytes of text."""
-    if session.prompt_token_ids is not None:
+    """A new session as the policy sees it; the prefix is token ids, or UTF-8 bytes of text.
+    A session that resumes part-way (`resume_from`) is seen as new, from the context it goes
+    on from (its turn count stays the whole session's, as its heartbeats report turns)."""
+    if session.resume_from is not None:
+        prefix = tuple(session.resume_from.history_token_ids)
+    elif session.prompt_token_ids is not None:
         prefix = tuple(session.prompt_token_ids)
     else:
         prefix = tuple((session.prompt_text or "").encode("utf-8"))

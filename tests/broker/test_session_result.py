@@ -48,3 +48,18 @@ def test_sampling_params_refuse_what_vllm_refuses_naming_the_field(field, value)
     with pytest.raises(ValidationError) as info:
         SamplingParams(**{field: value})
     assert info.value.errors()[0]["loc"][0] == field
+
+
+def test_a_resumed_session_is_placed_and_charged_from_the_context_it_goes_on_from() -> None:
+    from broker.session import PartialRollout, Session
+    from broker.snapshot import pending_item, resident_meta
+
+    s = Session(session_id="a", workload="agentic", prompt_token_ids=[1] * 100, max_tokens=50,
+                max_turns=4, metadata={"tool": "sim"})
+    history = [1] * 100 + [2] * 40 + [3] * 60
+    resumed = s.model_copy(update={"resume_from": PartialRollout(
+        turn_records=[], history_token_ids=history, turn=1, next_input_token_ids=[3] * 60)})
+    assert pending_item(s, 0.0).prompt_tokens == 100
+    item = pending_item(resumed, 0.0)
+    assert item.prompt_tokens == 200 and item.prefix == tuple(history)
+    assert resident_meta(resumed, 0.0).prompt_tokens == 200
