@@ -203,17 +203,16 @@ def completion_logprobs(tok: SimTokenizer, r: EngineRequest, k: int, req: Sampli
     """vLLM's completions `logprobs` object: the sampled tokens, their logprobs, their text
     offsets (after the echoed prompt's, when echoing) and per position a dict of the sampled
     token and its k most likely alternatives."""
-    steps = _alternatives(tok, r, k)
-    out = CompletionLogProbs()
-    for step in steps:
-        tid, lp = step[0]
-        piece = tok.piece(tid)
-        out.tokens.append(_token_str(tok, tid, req))
-        out.token_logprobs.append(lp)
-        out.text_offset.append(offset)
-        offset += len(piece)
-        out.top_logprobs.append({_token_str(tok, t, req): v for t, v in step})
-    return out
+    ids, lps = r.output_token_ids, r.output_logprobs
+    pieces = [tok.piece(t) for t in ids]
+    names = [f"token_id:{t}" for t in ids] if req.return_tokens_as_token_ids else pieces
+    if k:
+        top = [{_token_str(tok, t, req): v for t, v in step} for step in _alternatives(tok, r, k)]
+    else:  # the sampled token alone (a reply this long is built on the server's event loop)
+        top = [{name: lp} for name, lp in zip(names, lps)]
+    return CompletionLogProbs.model_construct(  # our own values: nothing to validate
+        text_offset=list(accumulate(map(len, pieces), initial=offset))[:-1],
+        token_logprobs=list(lps), tokens=list(names), top_logprobs=top)
 
 
 def chat_logprobs(tok: SimTokenizer, r: EngineRequest, k: int,

@@ -267,6 +267,26 @@ def test_completion_logprobs_cover_every_sampled_token_and_repeat(http: httpx.Cl
     assert plain["logprobs"] is None
 
 
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_completion_logprobs_zero_give_the_sampled_token_alone(http: httpx.Client,
+                                                               engine: RunningEngine,
+                                                               as_ids: bool) -> None:
+    body = {"model": engine.model_name, "prompt": random_prompt(40, 22), "max_tokens": 25,
+            "ignore_eos": True, "seed": 4, "return_token_ids": True,
+            "return_tokens_as_token_ids": as_ids}
+    zero = http.post("/v1/completions", json={**body, "logprobs": 0}).json()["choices"][0]
+    two = http.post("/v1/completions", json={**body, "logprobs": 2}).json()["choices"][0]
+    lp, lp2 = zero["logprobs"], two["logprobs"]
+    assert zero["token_ids"] == two["token_ids"] and zero["text"] == two["text"]
+    assert (lp["tokens"], lp["token_logprobs"], lp["text_offset"]) == (
+        lp2["tokens"], lp2["token_logprobs"], lp2["text_offset"])
+    assert lp["top_logprobs"] == [{t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"])]
+    if not as_ids:  # each token's text starts where the previous one's ended
+        ends = lp["text_offset"][1:] + [len(zero["text"])]
+        assert "".join(zero["text"][a:b] for a, b in zip(lp["text_offset"], ends)) == zero["text"]
+        assert lp["tokens"] == [zero["text"][a:b] for a, b in zip(lp["text_offset"], ends)]
+
+
 def test_chat_logprobs_list_each_token_with_its_top_alternatives(client: openai.OpenAI,
                                                                  engine: RunningEngine) -> None:
     resp = client.chat.completions.create(
