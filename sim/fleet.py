@@ -56,7 +56,7 @@ from sim.workloads.source import SessionSource
 from sim.workloads.truth import SimSession
 
 # Event kinds, in the order they are handled at one instant.
-_RESULT, _TOOL_RETURN, _HEARTBEAT, _TELEMETRY, _ARRIVAL, _PAUSE, _RESUME = 0, 1, 2, 3, 4, 5, 6
+_RESULT, _TOOL_RETURN, _HEARTBEAT, _TELEMETRY, _ARRIVAL, _TRAINED, _RESUME = 0, 1, 2, 3, 4, 5, 6
 
 
 class SimulationError(RuntimeError):
@@ -159,7 +159,11 @@ class FleetSim:
         self.decide_calls = 0
         self.weight_update = scenario.trainer.weight_update
         self._pause: _Pause | None = None
-        self._updates_due = 0  # updates that came due during another: each starts at its resume
+        # The trainer (weight updates only): batches it has not trained on yet, batches
+        # trained, and whether it is busy (training, or pushing weights to the engines).
+        self._untrained = 0
+        self._trained = 0
+        self._trainer_busy = False
         self._held: list[_Live] = []  # turns submitted while paused: they start on resume
         self._update_totals = {"updates": 0, "paused_s": 0.0, "drain_s": 0.0, "tokens_kept": 0,
                                "tokens_thrown_away": 0, "reprefill_tokens": 0}
@@ -213,8 +217,8 @@ class FleetSim:
                 elif kind == _ARRIVAL:
                     self._arrival_at = None
                     self._enqueue_from_trainer()
-                elif kind == _PAUSE:
-                    self._start_pause()
+                elif kind == _TRAINED:
+                    self._on_trained()
                 elif kind == _RESUME:
                     self._resume()
                 else:
@@ -413,19 +417,34 @@ class FleetSim:
 
     # -- weight updates --------------------------------------------------------------------
     def _on_iteration(self, it: IterationRecord) -> None:
-        wu = self.weight_update
-        if wu is not None and (it.index + 1) % wu.every == 0 and not self.trainer.done:
-            self._schedule(self.now + self.scenario.trainer.train_s, _PAUSE, "")
+        if self.weight_update is not None and not self.trainer.done:
+            self._untrained += 1
+            self._train_next()
         if self.on_iteration is not None:
             self.on_iteration(it)
+
+    def _train_next(self) -> None:
+        """The trainer works one batch at a time, as RL trainers do: train for `train_s`, push
+        the weights after every `every`-th batch (the engines pause meanwhile), then take the
+        next batch if one is waiting."""
+        if not self._trainer_busy and self._untrained:
+            self._untrained -= 1
+            self._trainer_busy = True
+            self._schedule(self.now + self.scenario.trainer.train_s, _TRAINED, "")
+
+    def _on_trained(self) -> None:
+        self._trained += 1
+        self._trainer_busy = False
+        if self._trained % self.weight_update.every == 0:
+            self._trainer_busy = True  # until the resume
+            self._start_pause()
+        else:
+            self._train_next()
 
     def _start_pause(self) -> None:
         """Pause every engine with the scenario's mode (vLLM's `POST /pause?mode=`): keep
         freezes each engine where it is, abort stops every request at the next step boundary,
         wait lets them finish. Turns submitted from now on wait for the resume."""
-        if self._pause is not None:
-            self._updates_due += 1
-            return
         self._pause = _Pause(started_at=self.now)
         mode = self.weight_update.mode
         for engine in self.engines.values():
@@ -467,9 +486,8 @@ class FleetSim:
         for live in held:
             self._submit_turn(live)
         self._dirty = True
-        if self._updates_due:
-            self._updates_due -= 1
-            self._start_pause()
+        self._trainer_busy = False
+        self._train_next()
 
     def _on_tool_return(self, live: _Live) -> None:
         if self.policy.dispatch_on_arrival:

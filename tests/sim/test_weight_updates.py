@@ -35,12 +35,14 @@ class Watched(FleetSim):
         super().__init__(*args, **kwargs)
         self.windows: list[tuple[float, int, float, int]] = []  # (paused at, tokens, resumed at, tokens)
         self._at_pause: tuple[float, int] | None = None
+        self.drains: list[float] = []
 
     def generated(self) -> int:
         return sum(e.stats().generation_tokens_total for e in self.engines.values())
 
     def _paused(self) -> None:
         self._at_pause = (self.now, self.generated())
+        self.drains.append(self.now - self._pause.started_at)
         super()._paused()
 
     def _resume(self) -> None:
@@ -123,6 +125,19 @@ def test_without_partial_rollouts_the_stopped_output_is_thrown_away_and_regenera
         assert r.output_tokens == sum(truth[r.session_id][:r.turns])
     generated = sum(e.stats().generation_tokens_total for e in sim.engines.values())
     assert generated >= sum(r.output_tokens for r in res.sessions) + wu.tokens_thrown_away
+
+
+def test_the_trainer_trains_one_batch_at_a_time_and_pushes_after_each() -> None:
+    """Batches that complete while the trainer trains or pushes wait their turn: every push
+    starts `train_s` after the previous resume at the earliest, never right after it."""
+    sim, res = run(iterations=6, train_s=20.0, weight_update={"mode": "wait", "sync_s": 2.0})
+    wu = res.metrics.weight_updates
+    starts = [p - d for (p, _, _, _), d in zip(sim.windows, sim.drains)]
+    resumes = [r for _, _, r, _ in sim.windows]
+    assert wu.updates == len(sim.windows) >= 2
+    for prev_resume, start in zip(resumes, starts[1:]):
+        assert start >= prev_resume + 20.0 - 1e-9
+    assert starts[0] >= res.iterations[0].done_at + 20.0 - 1e-9
 
 
 def test_a_sync_step_waits_for_the_weights() -> None:
