@@ -1,7 +1,7 @@
 """The workload mixture, as numbers: quota counts of a batch and how far a batch drifts from π.
 
 Pure functions shared by the trainer client, the status API, the demo and the simulator's
-trainer model, so that every figure of drift in the project means the same thing (DESIGN §6).
+trainer model, so that every figure of drift in the project means the same thing (docs/measurement.md).
 """
 
 from __future__ import annotations

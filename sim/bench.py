@@ -1,4 +1,4 @@
-"""`rollout-broker bench`: every policy on one scenario, same seed, side by side (DESIGN §6).
+"""`rollout-broker bench`: every policy on one scenario, same seed, side by side (docs/measurement.md).
 
 Each policy runs in its own `FleetSim` over the same generated (or replayed) sessions. Two
 names are built here rather than in the registry, because they need the simulator:

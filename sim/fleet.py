@@ -1,5 +1,5 @@
 """The fleet simulator: N simulated vLLM engines, a policy, agentic tool waits and the trainer,
-on one virtual clock (DESIGN §3 "one policy core, two drivers", §6).
+on one virtual clock (one policy core, two drivers: docs/measurement.md).
 
 What the policy sees is what the live broker would see: pending placements, the ledger
 (its own admissions and reservations, immediately), and per-backend telemetry and per-session

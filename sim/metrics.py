@@ -1,4 +1,4 @@
-"""Run metrics as DESIGN §6 defines them, and the trainer that consumes results.
+"""Run metrics as docs/measurement.md defines them, and the trainer that consumes results.
 
 Pure functions on plain records: the fleet simulator fills `SessionRecord`, `EngineCounters` and
 `KvSample`; the `Trainer` turns finished sessions into `IterationRecord`s. Nothing here knows
@@ -360,7 +360,7 @@ def summarize(
 
 
 class Trainer:
-    """The RL trainer as a state machine the fleet simulator drives (DESIGN §6).
+    """The RL trainer as a state machine the fleet simulator drives (docs/measurement.md).
 
     Arrivals. `buffer`: closed loop; `enqueue(now)` returns whole groups while the sessions
     enqueued and not yet returned stay ≤ `inflight_bound`, choosing the workload whose enqueued

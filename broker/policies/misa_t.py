@@ -290,7 +290,7 @@ class MisaT(Policy):
     def residency_charge(
         self, s: ResidentSession, track: _Track, view: BackendView, now: float
     ) -> float:
-        """The KV tokens session `s` should be charged now (DESIGN §4.1)."""
+        """The KV tokens session `s` should be charged now (docs/misa-t.md)."""
         if s.turn != track.turn:
             track.turn, track.turn_base = s.turn, s.generated_tokens
         if s.max_turns <= 1:

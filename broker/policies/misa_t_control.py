@@ -1,6 +1,6 @@
 """MISA-T's two feedback rules, as small pure units: α by AIMD, and workload KV shares.
 
-`AimdParams.step` turns one backend's heartbeat into its next α (DESIGN §4.3): back off
+`AimdParams.step` turns one backend's heartbeat into its next α (docs/misa-t.md): back off
 multiplicatively on a new preemption, a growing engine waiting queue or KV usage above the high
 watermark; otherwise, while usage is below target, the backend has been calm for `calm_s`, work
 is pending and α is what binds, move α toward the α at which the engine would sit at its
@@ -12,7 +12,7 @@ points of their lives do not reach together (and parked agentic histories sit in
 evictable prefix cache, outside `kv_cache_usage_perc`), so ρ_b is well below 1 and α well
 above it: no fixed cap binds before the engine's own signals do.
 
-`shares` and `admissible` are the allocation of DESIGN §4.2: σ_w = π_w K_w / Σ_v π_v K_v of the
+`shares` and `admissible` are the allocation of docs/misa-t.md: σ_w = π_w K_w / Σ_v π_v K_v of the
 admitted capacity, a deficit counter on consumed-vs-target nudging σ, lending to whoever has
 pending work while a share sits idle, and reclaiming only by not lending any more (a borrowed
 reservation is never taken back: it goes back as the borrower finishes).
