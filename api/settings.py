@@ -9,6 +9,8 @@ from functools import lru_cache
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from broker.redis_conn import check_redis_url
+
 
 class ApiSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RB_API_", extra="ignore")
@@ -24,6 +26,12 @@ class ApiSettings(BaseSettings):
     throughput_windows_s: tuple[float, ...] = (60.0, 300.0)
     # A request body longer than this is refused with a 413 before it is parsed.
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_usable(cls, v: str) -> str:
+        check_redis_url(v)
+        return v
 
     @field_validator("token")
     @classmethod

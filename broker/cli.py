@@ -16,16 +16,58 @@ app = typer.Typer(
 )
 
 
+def _usage_error(command: str, exc: Exception) -> typer.Exit:
+    """One line naming the option and the fix, exit status 2: the mistake is the caller's."""
+    typer.echo(f"rollout-broker {command}: {exc}", err=True)
+    return typer.Exit(2)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"rollout-broker {version('rollout-broker')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
-    """Keeps subcommands named (`rollout-broker sim-engine ...`) while there is only one."""
+def main(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="print the version and exit")] = False,
+) -> None:
+    """Serve mixed LLM RL rollouts (RLVR, RLHF, agentic) on a vLLM fleet with MISA-T admission."""
+
+
+@app.command("list")
+def list_names(
+    what: Annotated[str, typer.Argument(help="policies | profiles")],
+) -> None:
+    """List the policies the broker runs (and the simulator's references) or the simulated
+    engine profiles."""
+    if what == "policies":
+        from broker.policies import live_policy_names, policy_names
+
+        live = live_policy_names()
+        for name in policy_names():
+            note = " (default)" if name == DEFAULT_POLICY else ""
+            note += "" if name in live else " (simulator only: rollout-broker bench)"
+            typer.echo(name + note)
+    elif what == "profiles":
+        from sim.engine.profiles import PROFILES
+
+        for name in sorted(PROFILES):
+            p = PROFILES[name]
+            typer.echo(f"{name}: {p.num_gpu_blocks * p.block_size:,} KV tokens, "
+                       f"max_model_len {p.max_model_len:,}, max_num_seqs {p.max_num_seqs}")
+    else:
+        raise _usage_error("list", ValueError(f"what: {what!r} must be 'policies' or 'profiles'"))
 
 
 @app.command("sim-engine")
 def sim_engine(
     port: Annotated[int, typer.Option(help="TCP port to serve vLLM's HTTP API on")] = 8000,
     host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
-    profile: Annotated[str, typer.Option(help="engine profile (GPU × model), see sim/engine/profiles.py")] = "h200-30b-a3b",
+    profile: Annotated[str, typer.Option(help="engine profile (GPU × model): rollout-broker list profiles")] = "h200-30b-a3b",
     time_scale: Annotated[float, typer.Option(help="simulated seconds per wall second")] = 1.0,
     kv_tokens: Annotated[Optional[int], typer.Option(help="override the profile's KV capacity in tokens")] = None,
     seed: Annotated[int, typer.Option(help="seed for end-of-sequence lengths and token ids")] = 0,
@@ -33,7 +75,17 @@ def sim_engine(
     fault_injection: Annotated[bool, typer.Option(help="serve POST /sim/faults (fault drills: a slow /metrics)")] = False,
 ) -> None:
     """Serve a simulated vLLM v1 engine over vLLM's OpenAI-compatible HTTP API."""
+    from sim.engine.profiles import get_profile
     from sim.server.app import serve
+
+    try:
+        get_profile(profile)
+        if not time_scale > 0:
+            raise ValueError(f"time_scale: {time_scale:g} must be more than 0")
+        if kv_tokens is not None and kv_tokens < 1:
+            raise ValueError(f"kv_tokens: {kv_tokens} must be at least 1")
+    except ValueError as exc:
+        raise _usage_error("sim-engine", exc) from None
 
     serve(host=host, port=port, profile=profile, time_scale=time_scale, kv_tokens=kv_tokens,
           seed=seed, model_name=model_name, fault_injection=fault_injection)
@@ -43,7 +95,7 @@ def sim_engine(
 def broker(
     redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
     namespace: Annotated[str, typer.Option(help="key namespace (one RL job)")] = "default",
-    policy: Annotated[str, typer.Option(help="policy name, or package.module:factory")] = DEFAULT_POLICY,
+    policy: Annotated[str, typer.Option(help="policy name (rollout-broker list policies), or package.module:factory")] = DEFAULT_POLICY,
     lease_s: Annotated[float, typer.Option(help="lease period; a standby takes over within 4/3 of it")] = 5.0,
     window: Annotated[int, typer.Option(help="pending sessions per workload shown to the policy")] = 1024,
     log_level: Annotated[str, typer.Option(help="logging level")] = "INFO",
@@ -53,13 +105,23 @@ def broker(
     import signal
     import threading
 
+    from broker.redis_conn import check_redis_url
     from broker.service import BrokerService, BrokerSettings, load_policy
 
+    try:
+        check_redis_url(redis_url)
+        if not lease_s > 0:
+            raise ValueError(f"lease_s: {lease_s:g} must be more than 0")
+        if window < 1:
+            raise ValueError(f"window: {window} must be at least 1")
+        chosen = load_policy(policy)
+    except ValueError as exc:
+        raise _usage_error("broker", exc) from None
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    service = BrokerService(redis_url, namespace, load_policy(policy),
+    service = BrokerService(redis_url, namespace, chosen,
                             BrokerSettings(lease_period_s=lease_s, window=window))
     service.run(stop)
 
@@ -105,14 +167,13 @@ def bench(
         else:
             run_bench(scenario, names, seed, json_out, plots, jobs, sweep_iterations)
     except (ScenarioError, SimulationError, ValueError, FileNotFoundError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        raise _usage_error("bench", e) from None
 
 
 @app.command("worker")
 def worker(
     backend_id: Annotated[str, typer.Option(help="this backend's id (one per engine)")],
-    engine: Annotated[str, typer.Option(help="attach:URL | 'vllm:MODEL [vLLM args]' | sim:PROFILE")],
+    engine: Annotated[str, typer.Option(help="attach:URL, 'vllm:MODEL ARGS...' (the vLLM arguments after the model) or sim:PROFILE")],
     redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
     namespace: Annotated[str, typer.Option(help="key namespace (one RL job)")] = "default",
     time_scale: Annotated[float, typer.Option(help="sim engines and simulated tools: simulated seconds per wall second")] = 1.0,
@@ -156,8 +217,7 @@ def worker(
                    ToolOptions(kind=tools, timeout_s=tool_timeout, retries=tool_retries,
                                config=tool_config))
     except WorkerConfigError as exc:  # a bad option, named, before anything started
-        typer.echo(f"rollout-broker worker: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise _usage_error("worker", exc) from None
 
 
 @app.command("tools")
@@ -174,8 +234,7 @@ def tools_worker(
     try:
         registry = load_registry(tool_config)
     except RegistryError as exc:
-        typer.echo(f"rollout-broker tools: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise _usage_error("tools", exc) from None
     run_tool_worker(redis_url, registry, burst=burst)
 
 
@@ -183,7 +242,7 @@ def tools_worker(
 def demo(
     engines: Annotated[int, typer.Option(help="simulated engines (one worker each)")] = 4,
     duration: Annotated[float, typer.Option(help="seconds the trainer runs")] = 60.0,
-    policy: Annotated[str, typer.Option(help="admission policy")] = DEFAULT_POLICY,
+    policy: Annotated[str, typer.Option(help="admission policy (rollout-broker list policies)")] = DEFAULT_POLICY,
     scenario: Annotated[Optional[str], typer.Option(help="scenario file (default scenarios/demo.yaml)")] = None,
     time_scale: Annotated[float, typer.Option(help="simulated seconds per wall second")] = 20.0,
     kv_tokens: Annotated[Optional[int], typer.Option(help="KV tokens per engine (default: the scenario's)")] = None,
@@ -193,12 +252,16 @@ def demo(
     """Run the whole system on this machine (Redis, engines, workers, broker, a trainer) and show it live."""
     from pathlib import Path
 
-    from broker.demo import DEFAULT_SCENARIO, DemoSettings, run_demo
+    from broker.demo import DEFAULT_SCENARIO, DemoSettings, check_demo, run_demo
 
     settings = DemoSettings(engines=engines, duration_s=duration, policy=policy,
                             scenario=Path(scenario) if scenario else DEFAULT_SCENARIO,
                             time_scale=time_scale, kv_tokens=kv_tokens, tools=tools,
                             redis_url=redis_url)
+    try:
+        check_demo(settings)
+    except ValueError as exc:
+        raise _usage_error("demo", exc) from None
     raise typer.Exit(run_demo(settings))
 
 
@@ -221,8 +284,7 @@ def api(
                                  token=token or None)
         serve(settings, log_level=log_level.lower())
     except ValueError as exc:
-        typer.echo(f"rollout-broker api: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise _usage_error("api", exc) from None
 
 
 if __name__ == "__main__":

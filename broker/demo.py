@@ -23,6 +23,7 @@ import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 from rich.console import Console, Group
@@ -33,12 +34,17 @@ from broker.client import RolloutClient
 from broker.heartbeat import parse_heartbeat
 from broker.keys import Keys
 from broker.mixture import mixture_drift
-from broker.policies import DEFAULT_POLICY
+from broker.policies import DEFAULT_POLICY, check_live_policy
+from broker.redis_conn import check_redis_url
 from broker.redis_server import RedisHandle, ensure_redis
 from broker.session import Session, SessionResult, SessionState
+from scenarios import scenario_path
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_SCENARIO = ROOT / "scenarios" / "demo.yaml"
+if TYPE_CHECKING:
+    from sim.scenario import Scenario
+
+ROOT = Path(__file__).resolve().parents[1]  # where `broker` is imported from: children use it too
+DEFAULT_SCENARIO = scenario_path("demo.yaml")
 
 
 @dataclass(slots=True)
@@ -288,11 +294,33 @@ def _terminate_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, raise_interrupt)
 
 
-def run_demo(settings: DemoSettings, console: Console | None = None) -> int:
+def check_demo(settings: DemoSettings) -> Scenario:
+    """The demo's scenario, once every setting is one the demo can run; else ValueError naming
+    the option (before anything starts)."""
+    from sim.engine.profiles import get_profile
     from sim.scenario import load_scenario
 
-    console = console or Console()
+    if settings.engines < 1:
+        raise ValueError(f"engines: {settings.engines} must be at least 1")
+    if not settings.duration_s > 0:
+        raise ValueError(f"duration: {settings.duration_s:g} must be more than 0 seconds")
+    if not settings.time_scale > 0:
+        raise ValueError(f"time_scale: {settings.time_scale:g} must be more than 0")
+    if settings.kv_tokens is not None and settings.kv_tokens < 1:
+        raise ValueError(f"kv_tokens: {settings.kv_tokens} must be at least 1")
+    if settings.tools not in ("inline", "rq"):
+        raise ValueError(f"tools: {settings.tools!r} must be 'inline' or 'rq'")
+    if settings.redis_url is not None:
+        check_redis_url(settings.redis_url)
+    check_live_policy(settings.policy)
     scenario = load_scenario(settings.scenario)
+    get_profile(scenario.fleet.profile)
+    return scenario
+
+
+def run_demo(settings: DemoSettings, console: Console | None = None) -> int:
+    console = console or Console()
+    scenario = check_demo(settings)
     kv = settings.kv_tokens or scenario.fleet.kv_tokens
     _terminate_on_sigterm()
     handle: RedisHandle = ensure_redis(settings.redis_url)
@@ -307,10 +335,11 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> int:
     engines: dict[str, dict | None] = {}
     started = time.monotonic()
     interrupted = False
-    console.print(f"redis {handle.url} ({'private' if handle.owned else 'existing'}), "
-                  f"namespace {namespace}, logs {logdir}")
+    kind = "private" if handle.owned else "existing"
+    console.print(f"redis {handle.url} ({kind}: {handle.why}), namespace {namespace}, "
+                  f"logs {logdir}")
     try:
-        common = ["--redis-url", handle.url, "--namespace", namespace, "--log-level", "WARNING"]
+        common = ["--redis-url", handle.url, "--namespace", namespace, "--log-level", "INFO"]
         for i, b in enumerate(backends):
             args = ["worker", "--backend-id", b, "--engine", f"sim:{scenario.fleet.profile}",
                     "--time-scale", repr(settings.time_scale), "--seed", str(i),
@@ -360,4 +389,5 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> int:
     console.print(summary(trainer, engines, elapsed))
     if interrupted:
         console.print("stopped early by interrupt")
+        return 130  # as a shell reports a command ended by Ctrl-C (128 + SIGINT)
     return 0

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import redis
+from redis.connection import parse_url
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import (
     BusyLoadingError,
@@ -54,6 +55,15 @@ OUTAGE_ERRORS: tuple[type[Exception], ...] = (
 
 def backoff() -> ExponentialWithJitterBackoff:
     return ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S)
+
+
+def check_redis_url(url: str, field: str = "redis_url") -> None:
+    """Raise ValueError("<field>: ...") for a URL no Redis client could use (checked before a
+    process starts anything; an unreachable server is an outage, waited out, not this)."""
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise ValueError(f"{field}: {url!r}: {exc} (e.g. redis://127.0.0.1:6379/0)") from None
 
 
 def connect(url: str, **kwargs) -> redis.Redis:

@@ -41,6 +41,7 @@ class RedisHandle:
     url: str
     process: subprocess.Popen | None = None
     workdir: str | None = field(default=None, repr=False)
+    why: str = ""  # how this server was chosen, for the user (ensure_redis)
 
     @property
     def owned(self) -> bool:
@@ -114,8 +115,12 @@ def start_private_redis(appendonly: bool = False, timeout: float = 10.0, port: i
 
 
 def ensure_redis(url: str | None = None) -> RedisHandle:
-    """Use `url` (or $REDIS_URL, or the default local port) if it answers; else start one."""
+    """Use `url` (or $REDIS_URL, or the default local port) if it answers; else start one.
+    The handle's `why` says which, and where the URL came from (a typo in $REDIS_URL shows)."""
+    source = "given" if url else "$REDIS_URL" if os.environ.get("REDIS_URL") else "the default"
     url = url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
     if redis_answers(url):
-        return RedisHandle(url=url)
-    return start_private_redis()
+        return RedisHandle(url=url, why=f"the {source} URL answered")
+    handle = start_private_redis()
+    handle.why = f"nothing answered at {url} ({source}), so a private redis-server runs"
+    return handle

@@ -38,7 +38,7 @@ from broker.decision import LedgerEntry, apply_decision
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
 from broker.keys import BROKER_GROUP, Keys
 from broker.lease import Lease
-from broker.policies import make_policy
+from broker.policies import check_live_policy, make_policy
 from broker.policies.base import Completion, Decision, PendingItem, Policy
 from broker.queue import PendingEntry, SessionQueue, decode_entry
 from broker.redis_conn import Outage, connect, is_outage
@@ -65,8 +65,12 @@ def load_policy(spec: str) -> Policy:
     """A registered policy name, or `package.module:factory` for a policy outside the registry."""
     if ":" in spec:
         module, _, attr = spec.partition(":")
-        factory = getattr(importlib.import_module(module), attr)
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"policy: cannot load {spec!r}: {exc}") from None
         return factory()
+    check_live_policy(spec)
     return make_policy(spec)
 
 

@@ -12,6 +12,8 @@ import signal
 from dataclasses import dataclass
 
 from broker.binaries import find_executable
+from broker.redis_conn import check_redis_url
+from sim.engine.profiles import get_profile
 from workers.engine import EngineSpec, open_engine, vllm_command
 from workers.tools import load_registry, make_executor
 from workers.worker import Worker, WorkerSettings
@@ -61,7 +63,19 @@ def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptio
     """Check the options (`WorkerConfigError` naming the bad one, before anything starts), open
     the engine, serve until a signal, close the engine."""
     try:
+        check_redis_url(settings.redis_url)
         spec = EngineSpec.parse(engine.spec)
+        if not engine.time_scale > 0:
+            raise ValueError(f"time_scale: {engine.time_scale:g} must be more than 0")
+        if engine.kv_tokens is not None and engine.kv_tokens < 1:
+            raise ValueError(f"kv_tokens: {engine.kv_tokens} must be at least 1")
+        if spec.kind == "sim":
+            try:
+                get_profile(spec.target)
+            except ValueError as exc:
+                raise ValueError(f"engine: sim: {exc}") from None
+        if spec.kind == "attach" and not spec.target.startswith(("http://", "https://")):
+            raise ValueError(f"engine: attach:{spec.target} must name an http:// or https:// URL")
         if spec.kind == "vllm":
             vllm_command(spec.target, 0, spec.args)  # refuses --host/--port in the args
             if find_executable("vllm") is None:

@@ -19,11 +19,14 @@ P = TypeVar("P", bound=type[Policy])
 DEFAULT_POLICY = "misa_t"  # what the broker, the demo and compose run unless told otherwise
 
 _FACTORIES: dict[str, Callable[..., Policy]] = {}
+_SIMULATOR_ONLY: set[str] = set()
 _loaded = False
 
 
 def register(cls: P) -> P:
     register_factory(cls.name, cls)
+    if cls.simulator_only:
+        _SIMULATOR_ONLY.add(cls.name)
     return cls
 
 
@@ -46,6 +49,21 @@ def _load_all() -> None:
 def policy_names() -> list[str]:
     _load_all()
     return sorted(_FACTORIES)
+
+
+def live_policy_names() -> list[str]:
+    """The policies a live broker can run: every one but the simulator's references."""
+    return [n for n in policy_names() if n not in _SIMULATOR_ONLY]
+
+
+def check_live_policy(name: str) -> None:
+    """Raise ValueError("policy: ...") unless the live broker can run `name`."""
+    names = live_policy_names()
+    if name in _SIMULATOR_ONLY:
+        raise ValueError(f"policy: {name!r} runs only in the simulator (`rollout-broker bench`); "
+                         f"the broker runs: {', '.join(names)}")
+    if name not in names:
+        raise ValueError(f"policy: unknown policy {name!r}; the broker runs: {', '.join(names)}")
 
 
 def make_policy(name: str, **params: Any) -> Policy:

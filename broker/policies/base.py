@@ -145,6 +145,8 @@ class Policy(ABC):
     # Whether decide() reads a resident session's heartbeat progress (context_tokens,
     # generated_tokens, turn). A driver may skip refreshing progress for a policy that does not.
     reads_progress: ClassVar[bool] = True
+    # A reference only the simulator can run (it needs what a live broker cannot know).
+    simulator_only: ClassVar[bool] = False
 
     @abstractmethod
     def decide(self, snapshot: Snapshot) -> Decision:

@@ -23,6 +23,7 @@ from broker.policies.misa_t import MisaT
 @register
 class MisaTTrueLengths(MisaT):
     name = "misa_t-true-lengths"
+    simulator_only = True
 
     def __init__(
         self, true_output_lengths: Callable[[str], tuple[int, ...]], **params: Any

@@ -24,7 +24,7 @@ def test_demo_starts_its_own_redis_and_exits_cleanly():
                        timeout=150)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
-    assert "(private)" in out and "summary:" in out
+    assert f"(private: nothing answered at {dead} ($REDIS_URL)" in out and "summary:" in out
     namespace = re.search(r"namespace (demo-[0-9a-f]+)", out).group(1)
     done = re.search(r"│\s*all\s*│\s*(\d+)\s*│\s*(\d+)", out)
     assert done and int(done.group(1)) > 0 and int(done.group(2)) == 0, out[-3000:]
@@ -59,3 +59,27 @@ def test_the_demo_trainer_keeps_a_group_that_does_not_fit_yet():
     for w in scenario.mixture:
         seen = list(dict.fromkeys(g for g in groups if g.startswith(f"{w}-g")))
         assert seen == [f"{w}-g{i:06d}" for i in range(len(seen))], (w, seen)
+
+
+def test_ctrl_c_stops_the_demo_cleanly_with_status_130():
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="160")
+    p = subprocess.Popen([sys.executable, "-m", "broker.cli", "demo", "--duration", "120",
+                          "--engines", "2"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = ""
+        deadline = time.monotonic() + 90
+        while "starting 2 engines" not in seen and time.monotonic() < deadline:
+            seen += p.stdout.readline()
+        assert "starting 2 engines" in seen, seen[-2000:]
+        time.sleep(3)
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, (seen + out)[-3000:]
+    assert "stopped early by interrupt" in out and "summary:" in out
