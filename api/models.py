@@ -162,4 +162,5 @@ class ReadyPublic(BaseModel):
     ready: bool
     redis: bool
     broker_lease: bool
+    live_workers: int  # workers whose heartbeat has not expired
     reason: str | None = None

@@ -238,6 +238,50 @@ def tools_worker(
     run_tool_worker(redis_url, registry, burst=burst)
 
 
+@app.command("probe")
+def probe(
+    role: Annotated[str, typer.Argument(help="broker | worker | tools")],
+    redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
+    namespace: Annotated[str, typer.Option(help="key namespace (one RL job)")] = "default",
+    backend_id: Annotated[Optional[str], typer.Option(help="worker: its backend id")] = None,
+    max_age: Annotated[float, typer.Option(help="tools: seconds since the RQ worker's last heartbeat")] = 60.0,
+) -> None:
+    """Health probe for a container or pod: exit 0 if ROLE is doing its job, else 1 and why
+    (broker: one holds the lease; worker: its heartbeat is live; tools: an RQ worker on this
+    host beats)."""
+    import redis
+
+    from broker.keys import Keys
+    from broker.probes import probe_broker, probe_tools, probe_worker
+    from broker.redis_conn import check_redis_url
+
+    try:
+        check_redis_url(redis_url)
+        if role not in ("broker", "worker", "tools"):
+            raise ValueError(f"role: {role!r} must be broker, worker or tools")
+        if role == "worker" and not backend_id:
+            raise ValueError("backend_id: the worker's backend id is needed to probe it")
+        keys = Keys(namespace)
+    except ValueError as exc:
+        raise _usage_error("probe", exc) from None
+    client = redis.Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3)
+    try:
+        if role == "broker":
+            reason = probe_broker(client, keys)
+        elif role == "worker":
+            reason = probe_worker(client, keys, backend_id)
+        else:
+            reason = probe_tools(client, max_age)
+    except (redis.RedisError, OSError) as exc:
+        reason = f"redis: {type(exc).__name__}: {exc}"
+    finally:
+        client.close()
+    if reason is not None:
+        typer.echo(f"unhealthy: {reason}", err=True)
+        raise typer.Exit(1)
+    typer.echo("healthy")
+
+
 @app.command("demo")
 def demo(
     engines: Annotated[int, typer.Option(help="simulated engines (one worker each)")] = 4,

@@ -47,22 +47,76 @@ def test_config_is_valid(profile):
     assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.parametrize("profile, service, engine", [("gpu", "worker", "vllm:"),
+GPU_WORKERS = [f"worker-gpu{i}" for i in range(8)]
+
+
+def services_of(*profiles: str) -> dict:
+    args = [a for p in profiles for a in ("--profile", p)]
+    r = run(*args, "config")
+    assert r.returncode == 0, r.stderr
+    return yaml.safe_load(r.stdout)["services"]
+
+
+@pytest.mark.parametrize("profile, service, engine", [("gpu", "worker-gpu0", "vllm:"),
                                                       ("cpu", "sim-worker", "sim:h100-8b")])
 def test_profiles_bring_their_workers(profile, service, engine):
-    r = run("--profile", profile, "config")
-    assert r.returncode == 0, r.stderr
-    services = yaml.safe_load(r.stdout)["services"]
+    services = services_of(profile)
     assert {"redis", "broker", "broker-standby", "api", "tools", service} <= set(services)
     cmd = " ".join(services[service]["command"])
     assert "rollout-broker worker" in cmd and "--backend-id" in cmd and "--tools rq" in cmd
     assert engine.split(":")[0] + ":" in cmd
-    env = services[service]["environment"]
-    if profile == "gpu":
-        devices = services[service]["deploy"]["resources"]["reservations"]["devices"]
-        assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
-    else:
-        assert env["RB_SIM_PROFILE"] == "h100-8b"
+    if profile == "cpu":
+        assert services[service]["environment"]["RB_SIM_PROFILE"] == "h100-8b"
+
+
+def test_each_gpu_worker_has_its_own_gpu_and_backend_id():
+    services = services_of("gpu")
+    ids, devices = set(), set()
+    for i, name in enumerate(GPU_WORKERS):
+        svc = services[name]
+        [device] = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["device_ids"] == [str(i)] and "count" not in device, (name, device)
+        assert "--backend-id \"$$RB_BACKEND_ID\"" in " ".join(svc["command"]) or \
+            '--backend-id "$RB_BACKEND_ID"' in " ".join(svc["command"])
+        ids.add(svc["environment"]["RB_BACKEND_ID"])
+        devices.add(device["device_ids"][0])
+    assert ids == {f"node0-gpu{i}" for i in range(8)} and len(devices) == 8
+    for n in (1, 2, 4, 8):  # the gpuN profile starts exactly the first N
+        assert {s for s in GPU_WORKERS if f"gpu{n}" in services[s]["profiles"]} == \
+            set(GPU_WORKERS[:n])
+    assert all("gpu" in services[s]["profiles"] for s in GPU_WORKERS)
+
+
+def _seconds(text: str) -> float:
+    """Compose durations as v1 and v2 print them: 60s, 1m, 1m30s, 10m0s."""
+    total, num = 0.0, ""
+    for ch in str(text):
+        if ch.isdigit() or ch == ".":
+            num += ch
+        else:
+            total += float(num) * {"h": 3600, "m": 60, "s": 1}[ch]
+            num = ""
+    return total + (float(num) if num else 0.0)
+
+
+def test_workers_get_to_finish_their_drain_before_a_sigkill():
+    from workers.worker import WorkerSettings
+
+    w = WorkerSettings(backend_id="x", redis_url="redis://127.0.0.1:6379/0")
+    drain = w.drain_grace_s + w.handoff_s + 10.0  # withdraw waits up to 10 s (worker.py)
+    services = services_of("gpu", "cpu")
+    for name in [*GPU_WORKERS, "sim-worker"]:
+        assert _seconds(services[name]["stop_grace_period"]) > drain, name
+
+
+def test_every_long_running_service_has_a_healthcheck_and_rotated_logs():
+    services = services_of("gpu", "cpu")
+    for name, svc in services.items():
+        assert "healthcheck" in svc, name
+        assert svc["logging"]["options"]["max-size"], name
+    assert "/readyz" in " ".join(services["api"]["healthcheck"]["test"])
+    for name in ("broker", "broker-standby", "tools", "sim-worker", *GPU_WORKERS):
+        assert "rollout-broker probe" in " ".join(services[name]["healthcheck"]["test"]), name
 
 
 def test_commands_use_options_the_cli_has():
@@ -72,11 +126,17 @@ def test_commands_use_options_the_cli_has():
     from broker.cli import app
 
     group = typer.main.get_command(app)
-    services = yaml.safe_load(run("--profile", "gpu", "--profile", "cpu", "config").stdout)["services"]
+    services = services_of("gpu", "cpu")
+    commands = []
     for name, svc in services.items():
         if name == "redis":
             continue
-        words = " ".join(svc["command"]).replace('"', " ").split()
+        commands.append((name, svc["command"]))
+        test = svc["healthcheck"]["test"]
+        if "rollout-broker" in " ".join(test):
+            commands.append((f"{name} healthcheck", test[1:]))
+    for name, command in commands:
+        words = " ".join(command).replace('"', " ").split()
         if "rollout-broker" in words:
             words = words[words.index("rollout-broker") + 1:]
         sub = group.commands[words[0]]

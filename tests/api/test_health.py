@@ -14,15 +14,23 @@ pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.mark.redis
-def test_ready_only_while_a_broker_holds_the_lease(api, redis_client, namespace):
+def test_ready_only_while_a_broker_holds_the_lease_and_a_worker_beats(api, redis_client,
+                                                                      namespace):
+    k = Keys(namespace)
     assert api.get("/healthz").json() == {"status": "ok"}
     r = api.get("/readyz")
     assert r.status_code == 503
     assert r.json()["redis"] is True and r.json()["broker_lease"] is False
     assert "lease" in r.json()["reason"]
-    redis_client.set(Keys(namespace).lease, "tok", px=5000)
+    redis_client.set(k.lease, "tok", px=5000)
+    redis_client.sadd(k.backends, "w0", "w1")  # registered, but no heartbeat: both gone
     r = api.get("/readyz")
-    assert r.status_code == 200 and r.json()["ready"] is True
+    assert r.status_code == 503 and r.json()["broker_lease"] is True
+    assert r.json()["live_workers"] == 0
+    assert r.json()["reason"] == "workers: none beats (2 registered); nothing would run"
+    redis_client.set(k.heartbeat("w1"), "{}", px=5000)
+    r = api.get("/readyz")
+    assert r.status_code == 200 and r.json()["ready"] is True and r.json()["live_workers"] == 1
 
 
 def test_not_ready_without_redis():
