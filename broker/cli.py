@@ -223,19 +223,23 @@ def worker(
 @app.command("tools")
 def tools_worker(
     redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
+    namespace: Annotated[str, typer.Option(help="key namespace (one RL job): its tool queues")] = "default",
     tool_config: Annotated[Optional[str], typer.Option(
         help="TOML file registering the tools and rewards sessions may name",
         envvar="RB_TOOL_CONFIG")] = None,
     burst: Annotated[bool, typer.Option(help="exit when the queues are empty")] = False,
 ) -> None:
-    """Run a CPU tool worker: an RQ worker on the `tools` and `rewards` queues."""
-    from workers.tools import RegistryError, load_registry, run_tool_worker
+    """Run a CPU tool worker: an RQ worker on the namespace's tool and reward queues."""
+    from broker.redis_conn import check_redis_url
+    from workers.tools import RegistryError, load_registry, run_tool_worker, tool_queues
 
     try:
+        check_redis_url(redis_url)
+        tool_queues(namespace)
         registry = load_registry(tool_config)
-    except RegistryError as exc:
+    except (RegistryError, ValueError) as exc:
         raise _usage_error("tools", exc) from None
-    run_tool_worker(redis_url, registry, burst=burst)
+    run_tool_worker(redis_url, registry, namespace, burst=burst)
 
 
 @app.command("probe")
@@ -291,6 +295,7 @@ def demo(
     time_scale: Annotated[float, typer.Option(help="simulated seconds per wall second")] = 20.0,
     kv_tokens: Annotated[Optional[int], typer.Option(help="KV tokens per engine (default: the scenario's)")] = None,
     tools: Annotated[str, typer.Option(help="tool calls and rewards: inline | rq (RQ tool workers)")] = "inline",
+    tool_workers: Annotated[int, typer.Option(help="--tools rq: RQ tool worker processes")] = 8,
     redis_url: Annotated[Optional[str], typer.Option(help="Redis URL (default $REDIS_URL; a private server if none answers)")] = None,
 ) -> None:
     """Run the whole system on this machine (Redis, engines, workers, broker, a trainer) and show it live."""
@@ -301,7 +306,7 @@ def demo(
     settings = DemoSettings(engines=engines, duration_s=duration, policy=policy,
                             scenario=Path(scenario) if scenario else DEFAULT_SCENARIO,
                             time_scale=time_scale, kv_tokens=kv_tokens, tools=tools,
-                            redis_url=redis_url)
+                            tool_workers=tool_workers, redis_url=redis_url)
     try:
         check_demo(settings)
     except ValueError as exc:

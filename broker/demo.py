@@ -56,7 +56,9 @@ class DemoSettings:
     time_scale: float = 20.0
     kv_tokens: int | None = None  # default: the scenario's fleet.kv_tokens
     tools: str = "inline"  # inline | rq
-    tool_workers: int = 2  # rq only
+    # rq only: RQ tool workers run one job at a time, and the simulated tool waits out its
+    # latency, so as many run as the demo's tool calls overlap (~6 at ×20).
+    tool_workers: int = 8
     redis_url: str | None = None
     ready_timeout_s: float = 120.0
 
@@ -310,6 +312,8 @@ def check_demo(settings: DemoSettings) -> Scenario:
         raise ValueError(f"kv_tokens: {settings.kv_tokens} must be at least 1")
     if settings.tools not in ("inline", "rq"):
         raise ValueError(f"tools: {settings.tools!r} must be 'inline' or 'rq'")
+    if settings.tool_workers < 1:
+        raise ValueError(f"tool_workers: {settings.tool_workers} must be at least 1")
     if settings.redis_url is not None:
         check_redis_url(settings.redis_url)
     check_live_policy(settings.policy)
@@ -349,7 +353,8 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> int:
             children.start(b, args)
         if settings.tools == "rq":
             for i in range(settings.tool_workers):
-                children.start(f"tools-{i}", ["tools", "--redis-url", handle.url])
+                children.start(f"tools-{i}", ["tools", "--redis-url", handle.url,
+                                               "--namespace", namespace])
         children.start("broker", ["broker", "--policy", settings.policy, "--lease-s", "2", *common])
         client.set_mixture(scenario.mixture)
         console.print(f"starting {settings.engines} engines ({scenario.fleet.profile}, "

@@ -117,10 +117,11 @@ def start_private_redis(appendonly: bool = False, timeout: float = 10.0, port: i
 def ensure_redis(url: str | None = None) -> RedisHandle:
     """Use `url` (or $REDIS_URL, or the default local port) if it answers; else start one.
     The handle's `why` says which, and where the URL came from (a typo in $REDIS_URL shows)."""
-    source = "given" if url else "$REDIS_URL" if os.environ.get("REDIS_URL") else "the default"
+    source = "the given URL" if url else "$REDIS_URL" if os.environ.get("REDIS_URL") \
+        else "the default URL"
     url = url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
     if redis_answers(url):
-        return RedisHandle(url=url, why=f"the {source} URL answered")
+        return RedisHandle(url=url, why=f"{source} answered")
     handle = start_private_redis()
     handle.why = f"nothing answered at {url} ({source}), so a private redis-server runs"
     return handle

@@ -93,7 +93,8 @@ def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptio
                          seed=engine.seed, ready_timeout_s=engine.ready_timeout_s)
     try:
         log.info("worker %s: engine at %s", settings.backend_id, handle.url)
-        executor = make_executor(tools.kind, settings.redis_url, tools.timeout_s, tools.retries,
+        executor = make_executor(tools.kind, settings.redis_url, settings.namespace,
+                                 tools.timeout_s, tools.retries,
                                  registry)
         asyncio.run(_serve(Worker(settings, handle.url, executor)))
     finally:

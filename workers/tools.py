@@ -57,13 +57,18 @@ from typing import Any, Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from broker.keys import Keys
 from broker.redis_conn import BACKOFF_CAP_S, Outage, connect, is_outage
 from broker.session import REGISTRY_KEY_RE
 
 log = logging.getLogger("rollout_broker.tools")
 
-TOOLS_QUEUE = "tools"
-REWARDS_QUEUE = "rewards"
+def tool_queues(namespace: str) -> tuple[str, str]:
+    """The RQ queues of one namespace (RL job): tool calls, then reward scoring. Per namespace,
+    so that two jobs on one Redis never run each other's tools or leave jobs in each other's
+    way."""
+    Keys(namespace)  # the namespace's own checks
+    return f"rb-{namespace}-tools", f"rb-{namespace}-rewards"
 TOOL_ENTRY_POINTS = "rollout_broker.tools"
 REWARD_ENTRY_POINTS = "rollout_broker.rewards"
 TOOL_CONFIG_ENV = "RB_TOOL_CONFIG"
@@ -367,8 +372,8 @@ class InlineExecutor:
 class RqExecutor:
     """Tool and reward calls as RQ jobs; results collected by one poller task."""
 
-    def __init__(self, redis_url: str, timeout_s: float = 60.0, retries: int = 1,
-                 poll_s: float = 0.05, failure_ttl_s: int = 24 * 3600) -> None:
+    def __init__(self, redis_url: str, namespace: str = "default", timeout_s: float = 60.0,
+                 retries: int = 1, poll_s: float = 0.05, failure_ttl_s: int = 24 * 3600) -> None:
         from rq import Queue
         from rq.serializers import JSONSerializer
 
@@ -379,8 +384,9 @@ class RqExecutor:
         self._redis = connect(redis_url)
         self._outage = Outage("rq tool calls", log)
         self._serializer = JSONSerializer
+        self._tools_queue, self._rewards_queue = tool_queues(namespace)
         self._queues = {name: Queue(name, connection=self._redis, serializer=JSONSerializer)
-                        for name in (TOOLS_QUEUE, REWARDS_QUEUE)}
+                        for name in (self._tools_queue, self._rewards_queue)}
         # job id -> (future, what, deadline): every job still in flight
         self._waiting: dict[str, tuple[asyncio.Future, str, float]] = {}
         self._poller: asyncio.Task | None = None
@@ -467,11 +473,12 @@ class RqExecutor:
                         f"{what}: no result from rq job {job_id}{why}"))
 
     async def call_tool(self, call: ToolCall) -> ToolOutcome:
-        out = await self._submit(TOOLS_QUEUE, f"tool {call.tool}", run_tool, call.model_dump())
+        out = await self._submit(self._tools_queue, f"tool {call.tool}", run_tool,
+                                 call.model_dump())
         return ToolOutcome.model_validate(out)
 
     async def score(self, call: RewardCall) -> float:
-        return float(await self._submit(REWARDS_QUEUE, f"reward {call.scorer}", run_reward,
+        return float(await self._submit(self._rewards_queue, f"reward {call.scorer}", run_reward,
                                         call.model_dump()))
 
     async def aclose(self) -> None:
@@ -480,30 +487,36 @@ class RqExecutor:
         self._redis.close()
 
 
-def make_executor(kind: str, redis_url: str, timeout_s: float = 60.0, retries: int = 1,
-                  registry: ToolRegistry | None = None) -> InlineExecutor | RqExecutor:
+def make_executor(kind: str, redis_url: str, namespace: str, timeout_s: float = 60.0,
+                  retries: int = 1, registry: ToolRegistry | None = None
+                  ) -> InlineExecutor | RqExecutor:
     if kind == "inline":
         return InlineExecutor(timeout_s, registry)
     if kind == "rq":
-        return RqExecutor(redis_url, timeout_s, retries)
+        return RqExecutor(redis_url, namespace, timeout_s, retries)
     raise ValueError(f"tools: {kind!r} must be 'inline' or 'rq'")
 
 
-def run_tool_worker(redis_url: str, registry: ToolRegistry,
-                    queues: tuple[str, ...] = (TOOLS_QUEUE, REWARDS_QUEUE), burst: bool = False,
-                    name: str | None = None, stop: threading.Event | None = None) -> None:
-    """`rollout-broker tools`: an RQ worker on the tool and reward queues (JSON serializer),
-    running the functions of `registry`.
+def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "default",
+                    burst: bool = False, name: str | None = None,
+                    stop: threading.Event | None = None) -> None:
+    """`rollout-broker tools`: an RQ worker on the namespace's tool and reward queues (JSON
+    serializer), running the functions of `registry`. It runs the jobs in its own process
+    (RQ's `SimpleWorker`), one after another: forking a work horse per job, RQ's default,
+    costs more than most tool calls (a demo with it finished 4 sessions in 20 s where inline
+    tools finished ~600). So a tool must not crash the interpreter; scale out with more tool
+    workers.
 
     RQ waits out a lost connection while it listens, but quits its loop on one in the middle of
     a job; this loop then waits for Redis and starts RQ's loop again, so a Redis restart never
     ends the process. SIGTERM/SIGINT stop it (RQ's warm shutdown), as does setting `stop`."""
-    from rq import Queue, Worker
+    from rq import Queue, SimpleWorker
     from rq.serializers import JSONSerializer
 
     stop = stop or threading.Event()
+    queues = tool_queues(namespace)
 
-    class ToolWorker(Worker):
+    class ToolWorker(SimpleWorker):
         def request_stop(self, signum, frame):  # RQ's handler of SIGTERM/SIGINT
             stop.set()
             super().request_stop(signum, frame)

@@ -96,3 +96,21 @@ def test_a_tool_worker_rides_out_a_redis_restart(tmp_path):
         for server in servers:
             server.close()
     assert before == after == 9
+
+
+@pytest.mark.redis
+def test_rq_queues_are_per_namespace(redis_url, redis_client):
+    from workers.tools import run_tool, tool_queues
+
+    assert tool_queues("job-a") == ("rb-job-a-tools", "rb-job-a-rewards")
+    with pytest.raises(ValueError, match="namespace"):
+        tool_queues("a:b")
+    ex = RqExecutor(redis_url, "job-a", timeout_s=1.0)
+    try:
+        before = redis_client.llen("rq:queue:rb-job-a-tools")
+        ex._enqueue("rb-job-a-tools", run_tool, call("sim").model_dump())
+        assert redis_client.llen("rq:queue:rb-job-a-tools") == before + 1
+        assert not redis_client.exists("rq:queue:rb-job-b-tools")
+    finally:
+        redis_client.delete("rq:queue:rb-job-a-tools")
+        asyncio.run(ex.aclose())
