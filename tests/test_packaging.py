@@ -17,9 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    import shutil
+
     out = tmp_path_factory.mktemp("wheel")
+    src = out / "src"  # a copy: setuptools builds in the source tree, which stays as it was
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"))
     p = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out),
-                        str(ROOT)], capture_output=True, text=True, timeout=240)
+                        str(src)], capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     (built,) = out.glob("rollout_broker-*.whl")
     return built
