@@ -6,17 +6,22 @@ from __future__ import annotations
 import ipaddress
 from functools import lru_cache
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from broker.redis_conn import check_redis_url
 
 
 class ApiSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="RB_API_", extra="ignore")
+    """Every command reads RB_REDIS_URL and RB_NAMESPACE (README "Settings"); the API's own
+    settings are RB_API_*."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    namespace: str = "default"  # one RL job; see broker/keys.py
+    model_config = SettingsConfigDict(env_prefix="RB_API_", extra="ignore", populate_by_name=True)
+
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0",
+                           validation_alias=AliasChoices("redis_url", "RB_REDIS_URL"))
+    namespace: str = Field(default="default",  # one RL job; see broker/keys.py
+                           validation_alias=AliasChoices("namespace", "RB_NAMESPACE"))
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     # Bearer token for the mutating endpoints; None leaves them open (loopback only).

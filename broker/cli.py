@@ -93,12 +93,12 @@ def sim_engine(
 
 @app.command("broker")
 def broker(
-    redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
-    namespace: Annotated[str, typer.Option(help="key namespace (one RL job)")] = "default",
-    policy: Annotated[str, typer.Option(help="policy name (rollout-broker list policies), or package.module:factory")] = DEFAULT_POLICY,
+    redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    namespace: Annotated[str, typer.Option(help="key namespace (one RL job)", envvar="RB_NAMESPACE")] = "default",
+    policy: Annotated[str, typer.Option(help="policy name (rollout-broker list policies), or package.module:factory", envvar="RB_POLICY")] = DEFAULT_POLICY,
     lease_s: Annotated[float, typer.Option(help="lease period; a standby takes over within 4/3 of it")] = 5.0,
     window: Annotated[int, typer.Option(help="pending sessions per workload shown to the policy")] = 1024,
-    log_level: Annotated[str, typer.Option(help="logging level")] = "INFO",
+    log_level: Annotated[str, typer.Option(help="logging level", envvar="RB_LOG_LEVEL")] = "INFO",
 ) -> None:
     """Run the broker: active while it holds the namespace's lease, standby otherwise."""
     import logging
@@ -172,10 +172,10 @@ def bench(
 
 @app.command("worker")
 def worker(
-    backend_id: Annotated[str, typer.Option(help="this backend's id (one per engine)")],
-    engine: Annotated[str, typer.Option(help="attach:URL, 'vllm:MODEL ARGS...' (the vLLM arguments after the model) or sim:PROFILE")],
-    redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
-    namespace: Annotated[str, typer.Option(help="key namespace (one RL job)")] = "default",
+    backend_id: Annotated[str, typer.Option(help="this backend's id (one per engine)", envvar="RB_BACKEND_ID")],
+    engine: Annotated[str, typer.Option(help="attach:URL, 'vllm:MODEL ARGS...' (the vLLM arguments after the model) or sim:PROFILE", envvar="RB_ENGINE")],
+    redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    namespace: Annotated[str, typer.Option(help="key namespace (one RL job)", envvar="RB_NAMESPACE")] = "default",
     time_scale: Annotated[float, typer.Option(help="sim engines and simulated tools: simulated seconds per wall second")] = 1.0,
     kv_tokens: Annotated[Optional[int], typer.Option(help="sim engines: KV capacity in tokens")] = None,
     seed: Annotated[int, typer.Option(help="sim engines: seed")] = 0,
@@ -193,7 +193,7 @@ def worker(
     engine_down_after: Annotated[float, typer.Option(help="seconds without an answer from the engine's /health before its sessions are handed back")] = 30.0,
     vocab_size: Annotated[Optional[int], typer.Option(help="the served vocabulary size, if the engine does not report it (token ids must be below it)")] = None,
     ready_timeout: Annotated[float, typer.Option(help="seconds to wait for the engine's /health")] = 600.0,
-    log_level: Annotated[str, typer.Option(help="logging level")] = "INFO",
+    log_level: Annotated[str, typer.Option(help="logging level", envvar="RB_LOG_LEVEL")] = "INFO",
 ) -> None:
     """Run admitted sessions on one engine (attached, or started as a child) until SIGTERM."""
     import logging
@@ -222,8 +222,8 @@ def worker(
 
 @app.command("tools")
 def tools_worker(
-    redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
-    namespace: Annotated[str, typer.Option(help="key namespace (one RL job): its tool queues")] = "default",
+    redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    namespace: Annotated[str, typer.Option(help="key namespace (one RL job): its tool queues", envvar="RB_NAMESPACE")] = "default",
     tool_config: Annotated[Optional[str], typer.Option(
         help="TOML file registering the tools and rewards sessions may name",
         envvar="RB_TOOL_CONFIG")] = None,
@@ -245,8 +245,8 @@ def tools_worker(
 @app.command("probe")
 def probe(
     role: Annotated[str, typer.Argument(help="broker | worker | tools")],
-    redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
-    namespace: Annotated[str, typer.Option(help="key namespace (one RL job)")] = "default",
+    redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    namespace: Annotated[str, typer.Option(help="key namespace (one RL job)", envvar="RB_NAMESPACE")] = "default",
     backend_id: Annotated[Optional[str], typer.Option(help="worker: its backend id")] = None,
     max_age: Annotated[float, typer.Option(help="tools: seconds since the RQ worker's last heartbeat")] = 60.0,
 ) -> None:
@@ -290,13 +290,13 @@ def probe(
 def demo(
     engines: Annotated[int, typer.Option(help="simulated engines (one worker each)")] = 4,
     duration: Annotated[float, typer.Option(help="seconds the trainer runs")] = 60.0,
-    policy: Annotated[str, typer.Option(help="admission policy (rollout-broker list policies)")] = DEFAULT_POLICY,
+    policy: Annotated[str, typer.Option(help="admission policy (rollout-broker list policies)", envvar="RB_POLICY")] = DEFAULT_POLICY,
     scenario: Annotated[Optional[str], typer.Option(help="scenario file (default scenarios/demo.yaml)")] = None,
     time_scale: Annotated[float, typer.Option(help="simulated seconds per wall second")] = 20.0,
     kv_tokens: Annotated[Optional[int], typer.Option(help="KV tokens per engine (default: the scenario's)")] = None,
     tools: Annotated[str, typer.Option(help="tool calls and rewards: inline | rq (RQ tool workers)")] = "inline",
     tool_workers: Annotated[int, typer.Option(help="--tools rq: RQ tool worker processes")] = 8,
-    redis_url: Annotated[Optional[str], typer.Option(help="Redis URL (default $REDIS_URL; a private server if none answers)")] = None,
+    redis_url: Annotated[Optional[str], typer.Option(help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0; a private server if none answers)", envvar="RB_REDIS_URL")] = None,
 ) -> None:
     """Run the whole system on this machine (Redis, engines, workers, broker, a trainer) and show it live."""
     from pathlib import Path
@@ -316,13 +316,13 @@ def demo(
 
 @app.command("api")
 def api(
-    host: Annotated[str, typer.Option(help="address to bind; non-loopback needs --token")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port")] = 8080,
-    redis_url: Annotated[str, typer.Option(help="Redis server URL")] = "redis://127.0.0.1:6379/0",
-    namespace: Annotated[str, typer.Option(help="key namespace (one RL job)")] = "default",
+    host: Annotated[str, typer.Option(help="address to bind; non-loopback needs --token", envvar="RB_API_HOST")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port", envvar="RB_API_PORT")] = 8080,
+    redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    namespace: Annotated[str, typer.Option(help="key namespace (one RL job)", envvar="RB_NAMESPACE")] = "default",
     token: Annotated[Optional[str], typer.Option(
         help="bearer token required by the mutating endpoints", envvar="RB_API_TOKEN")] = None,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+    log_level: Annotated[str, typer.Option(help="uvicorn log level", envvar="RB_LOG_LEVEL")] = "info",
 ) -> None:
     """Serve the status API, Prometheus metrics and the live dashboard."""
     from api.app import serve

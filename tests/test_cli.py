@@ -77,3 +77,19 @@ def test_version_and_lists(nothing_starts) -> None:
 def test_the_engine_option_shows_its_forms_in_the_help() -> None:
     res = CliRunner().invoke(app, ["worker", "--help"], terminal_width=200)
     assert "vllm:MODEL ARGS..." in " ".join(res.output.split())
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["broker"], {"RB_REDIS_URL": "foo://x"}, "redis_url: 'foo://x'"),
+    (["broker"], {"RB_POLICY": "nope"}, "policy: unknown policy 'nope'"),
+    (["worker", "--backend-id", "w"], {"RB_ENGINE": "sim:nope"}, "engine: sim: profile"),
+    (["worker", "--engine", "sim:h100-8b"], {"RB_BACKEND_ID": "w", "RB_REDIS_URL": "foo://y"},
+     "redis_url: 'foo://y'"),
+    (["demo"], {"RB_REDIS_URL": "http://x"}, "redis_url: 'http://x'"),
+    (["api"], {"RB_API_HOST": "0.0.0.0", "RB_API_TOKEN": ""}, "token"),
+    (["tools"], {"RB_NAMESPACE": "a:b"}, "namespace"),
+])
+def test_every_command_reads_its_options_from_rb_variables(argv, env, message, nothing_starts):
+    res = CliRunner().invoke(app, argv, env=env)
+    assert res.exit_code == 2, res.output
+    assert message in res.output.strip().splitlines()[0], res.output
