@@ -118,6 +118,8 @@ class BackendStatus(BaseModel):
     waiting: int | None
     preemptions_total: int | None
     prefix_hit_rate: float | None  # hits / queries as vLLM counts them, since engine start
+    prefix_cache_queries_total: int | None  # prompt tokens looked up (vLLM's counter)
+    prefix_cache_hits_total: int | None  # of those, served from the prefix cache
     heartbeat_age_s: float | None
 
 

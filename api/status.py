@@ -94,6 +94,8 @@ def _backend(b: str, ledger_flat, n_sessions: int, metrics, added: int,
         waiting=m.waiting if m else None, preemptions_total=m.preemptions_total if m else None,
         prefix_hit_rate=(m.prefix_hits_total / m.prefix_queries_total
                          if m and m.prefix_queries_total else None),
+        prefix_cache_queries_total=m.prefix_queries_total if m else None,
+        prefix_cache_hits_total=m.prefix_hits_total if m else None,
         heartbeat_age_s=max(0.0, now - float(at)) if m and isinstance(at, int | float) else None,
     )
 

@@ -1,5 +1,9 @@
 """GET /metrics: the status as Prometheus text, from a registry made for each request (the
-process-global registry would mix in whatever else the process registers)."""
+process-global registry would mix in whatever else the process registers).
+
+Prometheus naming: counters end in `_total` and are meant for `rate()`; ratios are exported as
+the counters they divide (prefix cache hits and queries), so they aggregate over backends;
+a 0..1 gauge ends in `_ratio`."""
 
 from __future__ import annotations
 
@@ -21,10 +25,9 @@ _BACKEND_GAUGES = (  # (metric suffix, BackendStatus field, help)
     ("alpha", "alpha", "admission factor: reservations may reach alpha*C_b"),
     ("limit_tokens", "limit_tokens", "floor(alpha*C_b)"),
     ("sessions", "sessions", "sessions holding a reservation"),
-    ("kv_usage", "kv_usage", "engine KV cache usage, 0..1"),
+    ("kv_usage_ratio", "kv_usage", "engine KV cache usage, 0..1"),
     ("running", "running", "engine requests running"),
     ("waiting", "waiting", "engine requests waiting"),
-    ("prefix_hit_rate", "prefix_hit_rate", "engine prefix cache hits / queries"),
     ("heartbeat_age_seconds", "heartbeat_age_s", "seconds since the metrics in the last heartbeat"),
 )
 
@@ -62,13 +65,6 @@ class StatusCollector(Collector):
             finished.add_metric([w.workload], w.finished_total)
             consumed.add_metric([w.workload], w.consumed_total)
         yield from (depth, age, finished, consumed)
-        rate = GaugeMetricFamily("rb_throughput_sessions_per_second",
-                                 "sessions finished per second over the window",
-                                 labels=["workload", "window"])
-        for t in s.throughput:
-            for w, v in sorted(t.by_workload.items()):
-                rate.add_metric([w, f"{int(t.window_s)}s"], v)
-        yield rate
 
     def _mixture(self, s: StatusPublic) -> Iterator[Metric]:
         target = GaugeMetricFamily("rb_mixture_target", "target share pi_w", labels=["workload"])
@@ -92,6 +88,12 @@ class StatusCollector(Collector):
                                        labels=["backend"])
         preempt = CounterMetricFamily("rb_backend_preemptions", "engine preemptions",
                                       labels=["backend"])
+        queries = CounterMetricFamily("rb_backend_prefix_cache_queries",
+                                      "prompt tokens looked up in the engine's prefix cache",
+                                      labels=["backend"])
+        hits = CounterMetricFamily("rb_backend_prefix_cache_hits",
+                                   "prompt tokens served from the engine's prefix cache",
+                                   labels=["backend"])
         gauges = {f: GaugeMetricFamily(f"rb_backend_{name}", doc, labels=["backend"])
                   for name, f, doc in _BACKEND_GAUGES}
         for b in s.backends:
@@ -102,11 +104,14 @@ class StatusCollector(Collector):
                 admitted.add_metric([b.backend_id], b.admitted_total)
             if b.preemptions_total is not None:
                 preempt.add_metric([b.backend_id], b.preemptions_total)
+            if b.prefix_cache_queries_total is not None:
+                queries.add_metric([b.backend_id], b.prefix_cache_queries_total)
+                hits.add_metric([b.backend_id], b.prefix_cache_hits_total or 0)
             for f, g in gauges.items():
                 v = getattr(b, f)
                 if v is not None:
                     g.add_metric([b.backend_id], float(v))
-        yield from (healthy, reserved, admitted, preempt, *gauges.values())
+        yield from (healthy, reserved, admitted, preempt, queries, hits, *gauges.values())
 
 
 @router.get("/metrics", response_class=Response,

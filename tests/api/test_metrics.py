@@ -39,6 +39,12 @@ def test_metrics_cover_queues_mixture_and_ledger(api, fleet):
     assert m[("rb_backend_admissions_total", (("backend", "b0"),))] == 5
     assert m[("rb_backend_reserved_tokens", (("backend", "b0"), ("workload", "rlvr")))] > 0
     assert m[("rb_backend_healthy", (("backend", "b0"),))] == 1
+    assert m[("rb_backend_kv_usage_ratio", (("backend", "b0"),))] >= 0
+    queries = m[("rb_backend_prefix_cache_queries_total", (("backend", "b0"),))]
+    assert 0 <= m[("rb_backend_prefix_cache_hits_total", (("backend", "b0"),))] <= queries
+    names = {name for name, _ in m}
+    assert not names & {"rb_backend_kv_usage", "rb_backend_prefix_hit_rate",
+                        "rb_throughput_sessions_per_second"}  # ratios and rates are not exported
     assert m[("rb_broker_lease_held", ())] == 1
     assert m[("rb_queue_depth", (("workload", "rlvr"),))] == 0
 
