@@ -201,7 +201,8 @@ class FleetSim:
                 if kind == _HEARTBEAT:
                     if self.trainer.stalled():
                         break  # a finite trace ran dry before the iterations were complete
-                    stuck = self._fleet_idle() and any(self.pending.values()) and self._pause is None
+                    stuck = (self._fleet_idle() and any(self.pending.values())
+                             and self._pause is None)
                     idle_beats = idle_beats + 1 if stuck else 0
                     if idle_beats > 120:
                         raise SimulationError(
@@ -352,7 +353,8 @@ class FleetSim:
         live = self.by_request.pop(req.request_id)
         live.request = None
         if live.resuming and req.num_cached_tokens >= 0:
-            self._update_totals["reprefill_tokens"] += req.num_prompt_tokens - req.num_cached_tokens
+            recomputed = req.num_prompt_tokens - req.num_cached_tokens
+            self._update_totals["reprefill_tokens"] += recomputed
         if req.finish_reason is FinishReason.abort:
             self._on_turn_stopped(live, req)
             return
@@ -372,7 +374,8 @@ class FleetSim:
         if live.turn < truth.turns:
             # Turn k+1's prompt is turn k's prompt, its output and the tool's observation; the
             # hashes of the blocks the engine already computed carry over.
-            live.history = live.history + req.output_token_ids + truth.observation_token_ids(live.turn - 1)
+            live.history = (live.history + req.output_token_ids
+                            + truth.observation_token_ids(live.turn - 1))
             live.history_hashes = req.block_hashes  # all within prompt + output tokens
             wait = truth.tool_latency_s[live.turn - 1]
             live.tool_wait_s += wait
