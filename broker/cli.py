@@ -22,6 +22,11 @@ def _usage_error(command: str, exc: Exception) -> typer.Exit:
     return typer.Exit(2)
 
 
+def _check_port(field: str, port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{field}: {port} must be a TCP port, 1-65535 (0: off)")
+
+
 def _print_version(value: bool) -> None:
     if value:
         from importlib.metadata import version
@@ -98,6 +103,7 @@ def broker(
     policy: Annotated[str, typer.Option(help="policy name (rollout-broker list policies), or package.module:factory", envvar="RB_POLICY")] = DEFAULT_POLICY,
     lease_s: Annotated[float, typer.Option(help="lease period; a standby takes over within 4/3 of it")] = 5.0,
     window: Annotated[int, typer.Option(help="pending sessions per workload shown to the policy")] = 1024,
+    metrics_port: Annotated[int, typer.Option(help="serve this process's Prometheus metrics on this port (0: off)", envvar="RB_METRICS_PORT")] = 0,
     log_level: Annotated[str, typer.Option(help="logging level", envvar="RB_LOG_LEVEL")] = "INFO",
 ) -> None:
     """Run the broker: active while it holds the namespace's lease, standby otherwise."""
@@ -114,6 +120,7 @@ def broker(
             raise ValueError(f"lease_s: {lease_s:g} must be more than 0")
         if window < 1:
             raise ValueError(f"window: {window} must be at least 1")
+        _check_port("metrics_port", metrics_port)
         chosen = load_policy(policy)
     except ValueError as exc:
         raise _usage_error("broker", exc) from None
@@ -121,6 +128,10 @@ def broker(
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if metrics_port:
+        from broker.metrics import serve_metrics
+
+        serve_metrics(metrics_port)
     service = BrokerService(redis_url, namespace, chosen,
                             BrokerSettings(lease_period_s=lease_s, window=window))
     service.run(stop)
@@ -193,6 +204,7 @@ def worker(
     engine_down_after: Annotated[float, typer.Option(help="seconds without an answer from the engine's /health before its sessions are handed back")] = 30.0,
     vocab_size: Annotated[Optional[int], typer.Option(help="the served vocabulary size, if the engine does not report it (token ids must be below it)")] = None,
     ready_timeout: Annotated[float, typer.Option(help="seconds to wait for the engine's /health")] = 600.0,
+    metrics_port: Annotated[int, typer.Option(help="serve this process's Prometheus metrics on this port (0: off)", envvar="RB_METRICS_PORT")] = 0,
     log_level: Annotated[str, typer.Option(help="logging level", envvar="RB_LOG_LEVEL")] = "INFO",
 ) -> None:
     """Run admitted sessions on one engine (attached, or started as a child) until SIGTERM."""
@@ -210,6 +222,14 @@ def worker(
         heartbeat_ttl_s=heartbeat_ttl, drain_grace_s=drain_grace,
         engine_down_after_s=engine_down_after, vocab_size=vocab_size,
         runner=RunnerSettings(request_timeout_s=request_timeout, retries=engine_retries))
+    try:
+        _check_port("metrics_port", metrics_port)
+    except ValueError as exc:
+        raise _usage_error("worker", exc) from None
+    if metrics_port:
+        from broker.metrics import serve_metrics
+
+        serve_metrics(metrics_port)
     try:
         run_worker(settings,
                    EngineOptions(spec=engine, time_scale=time_scale, kv_tokens=kv_tokens,

@@ -37,6 +37,7 @@ from itertools import chain, islice
 from broker.decision import LedgerEntry, apply_decision
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
 from broker.keys import BROKER_GROUP, Keys
+from broker import metrics
 from broker.lease import Lease
 from broker.policies import check_live_policy, make_policy
 from broker.policies.base import Completion, Decision, PendingItem, Policy
@@ -128,6 +129,8 @@ class BrokerService:
         """Serve until `stop` is set: as the active broker while holding the lease, else standby.
         Rides out Redis outages (see the module docstring)."""
         stop = stop or threading.Event()
+        active = metrics.ACTIVE.labels(self.policy.name)
+        active.set(0)
         try:
             while not stop.is_set():
                 try:
@@ -138,14 +141,18 @@ class BrokerService:
                         continue
                     if not resuming:
                         log.info("broker %s: lease acquired, active", self.consumer)
+                    active.set(1)
                     self._serve(stop)
+                    active.set(0)
                     if not stop.is_set():
                         log.warning("broker %s: lease lost, back to standby", self.consumer)
                 except Exception as exc:
+                    active.set(0)
                     if not is_outage(exc):
                         raise
                     stop.wait(self._outage.failed(exc))
         finally:
+            active.set(0)
             self._release_lease()
             self._client.close()
 
@@ -387,6 +394,7 @@ class BrokerService:
             if as_text(reply) == "alive":
                 return True
             requeued, failed = (int(x) for x in reply)
+            metrics.REQUEUED.labels("dead_backend" if only_if_dead else "lost").inc(requeued)
             log.warning("%s; requeued %d sessions, %d out of attempts", why, requeued, failed)
         return True
 
@@ -418,7 +426,9 @@ class BrokerService:
             return 0
         now = time.time()
         snap = build_snapshot(now, pending, fleet, self._meta, completions)
+        t0 = time.perf_counter()
         decision = self.policy.decide(snap)
+        metrics.DECIDE.observe(time.perf_counter() - t0)
         return self._apply(decision, fleet, now)
 
     def _expire_stale(self, weights: WeightsState) -> None:
@@ -511,6 +521,9 @@ class BrokerService:
                 queue.pop(sid, None)
                 self._meta[sid] = resident_meta(held.entry.session, now)
                 admitted += 1
+                metrics.ADMISSIONS.labels(held.item.workload).inc()
+                metrics.QUEUE_WAIT.labels(held.item.workload).observe(
+                    max(0.0, now - held.item.enqueued_at))
             elif r == "not_pending":  # cancelled or placed before: its entry is acked now
                 queue.pop(sid, None)
             elif r == "lease":

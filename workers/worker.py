@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from broker import metrics
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
 from broker.redis_conn import Outage, is_outage
 from broker.session import PartialRollout, Session, SessionResult, SessionState
@@ -328,18 +329,27 @@ class Worker:
         task = asyncio.create_task(self._run_one(runner, a, progress), name=f"session-{sid}")
         self._running[sid] = (task, progress)
         self.counters.started += 1
+        metrics.RUNNING.set(len(self._running))
 
     async def _run_one(self, runner: SessionRunner, a: AdmittedSession, progress: Progress) -> None:
         async def checkpoint(partial: PartialRollout) -> None:
             await self._checkpoint(a.session.model_copy(update={"resume_from": partial}))
 
+        workload = a.session.workload
+        started = time.monotonic()
         try:
             out = await runner.run(a.session, progress, checkpoint=checkpoint)
+            metrics.SESSION_SECONDS.labels(workload).observe(time.monotonic() - started)
+            for turn in out.turns:
+                metrics.TURN_SECONDS.labels(workload).observe(turn.wall_s)
             await self._finished.put((out.result, out.stats))
         except Handoff as cut:  # draining: back to the queue with what it had generated
+            metrics.HANDED_BACK.labels("drain").inc()
             await self._hand_back(a.session.model_copy(update={"resume_from": cut.partial}),
                                   str(cut), replace_body=True)
         except (EngineUnavailable, ToolUnavailable) as exc:  # not the session's fault
+            metrics.HANDED_BACK.labels(
+                "engine" if isinstance(exc, EngineUnavailable) else "tool").inc()
             await self._hand_back(a.session, str(exc))
         except Exception as exc:  # a bug of ours, not the session's: end it, with the reason
             log.exception("worker %s: session %s crashed", self.settings.backend_id,
@@ -347,6 +357,7 @@ class Worker:
             await self._finished.put((crashed_result(a.session, exc), CompletionStats()))
         finally:
             self._running.pop(a.session.session_id, None)
+            metrics.RUNNING.set(len(self._running))
 
     async def _checkpoint(self, session: Session) -> None:
         """Store what the session has done (its finished turns) for a requeue to go on from;
@@ -382,6 +393,8 @@ class Worker:
                     if reply == "ok":
                         self.counters.finished += 1
                         self.counters.failed += result.status == "failed"
+                        metrics.SESSIONS.labels(result.workload, str(result.status)).inc()
+                        metrics.GENERATED.labels(result.workload).inc(result.output_tokens)
                     else:
                         self.counters.refused += 1
                         log.info("session %s: finish said %s; dropped", result.session_id, reply)

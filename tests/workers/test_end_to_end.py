@@ -16,6 +16,17 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_two_engines_all_workloads_tokens_match_engine_counters(redis_url, namespace,
                                                                  redis_client):
+    from broker.metrics import REGISTRY
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    workloads = ("rlvr", "rlhf", "agentic")
+    before = {w: (sample("rb_worker_sessions_total", workload=w, status="done"),
+                  sample("rb_worker_generated_tokens_total", workload=w),
+                  sample("rb_broker_admissions_total", workload=w),
+                  sample("rb_worker_session_duration_seconds_count", workload=w))
+              for w in workloads}
     sessions = mixed_sessions(6)
     with running_engine(time_scale=200.0, kv_tokens=60_000) as e0, \
             running_engine(time_scale=200.0, kv_tokens=60_000) as e1:
@@ -50,5 +61,13 @@ def test_two_engines_all_workloads_tokens_match_engine_counters(redis_url, names
                 assert r.turns == 3 and r.cached_tokens > 0, r
             else:
                 assert r.turns == 1
+        for w in workloads:  # the processes' own metrics counted each session once
+            mine = [r for r in got if r.workload == w]
+            after = (sample("rb_worker_sessions_total", workload=w, status="done"),
+                     sample("rb_worker_generated_tokens_total", workload=w),
+                     sample("rb_broker_admissions_total", workload=w),
+                     sample("rb_worker_session_duration_seconds_count", workload=w))
+            assert [a - b for a, b in zip(after, before[w])] == [
+                len(mine), sum(r.output_tokens for r in mine), len(mine), len(mine)], w
         for b in engines:  # every reservation was released by the finishes
             assert int(redis_client.hget(f"rb:{{{namespace}}}:ledger:{b}", "reserved")) == 0
