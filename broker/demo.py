@@ -218,9 +218,12 @@ def live_view(trainer: Trainer, status: dict, engines: dict[str, dict | None], e
     tokens = sum(r.output_tokens for r in done)
     mean_drift = statistics.fmean(st.iteration_drift) if st.iteration_drift else 0.0
     head = Table.grid(padding=(0, 3))
+    # The summary's figure, over the same span; nothing until a second has passed (a rate over
+    # the first milliseconds is noise: the first frame once showed 35,852,874 tok/s).
+    rate = f"{tokens / elapsed:,.0f}" if elapsed >= 1.0 else "-"
     head.add_row(f"[bold]rollout-broker demo[/] {elapsed:5.1f}/{duration:.0f}s",
                  f"sessions done [bold]{len(done)}[/]", f"in flight {st.in_flight}",
-                 f"throughput [bold]{tokens / max(elapsed, 1e-9):,.0f}[/] tok/s",
+                 f"throughput [bold]{rate}[/] tok/s",
                  f"drift {mean_drift:.3f}")
     wl = Table(title="workloads", expand=False)
     for col in ("workload", "target π", "queued", "done", "failed", "share done", "tokens"):
@@ -338,6 +341,7 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> int:
     trainer = Trainer(client, scenario, dict(scenario.mixture))
     engines: dict[str, dict | None] = {}
     started = time.monotonic()
+    ended: float | None = None  # when the trainer stopped (the summary's span)
     interrupted = False
     kind = "private" if handle.owned else "existing"
     console.print(f"redis {handle.url} ({kind}: {handle.why}), namespace {namespace}, "
@@ -372,13 +376,16 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> int:
                 dead = children.dead()
                 if dead:
                     raise RuntimeError(f"demo: {dead[0]} died:\n{children.log_tail(dead[0])}")
+            # The last frame and the summary: the same results over the same span.
+            ended = time.monotonic() - started
+            live.update(live_view(trainer, client.status(), engines, ended, settings.duration_s))
     except KeyboardInterrupt:
         interrupted = True
         console.print("[yellow]interrupted: stopping[/]")
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        elapsed = time.monotonic() - started
+        elapsed = ended if ended is not None else time.monotonic() - started
         try:
             engines = _engines(r, keys, backends) or engines
         except redis.RedisError:
