@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal, TypeVar
 
 from pydantic import ValidationError
@@ -256,6 +256,19 @@ class RolloutClient:
                 r.stale = state.is_stale(r.oldest_version)
         return batch
 
+    def stream(self, batch_size: int, mode: Literal["fifo", "quota"] = "fifo",
+               timeout: float = 10.0, by_group: bool = False,
+               group_filter: Callable[[list[SessionResult]], bool] | None = None
+               ) -> Iterator[list[SessionResult]]:
+        """`results(...)` batch after batch, for a training loop: `for batch in
+        client.stream(64): ...`. A batch is acknowledged when the next one is asked for (as
+        with `results`); `timeout` bounds each wait, and a wait that brings nothing yields
+        nothing. Endless: break out of the loop to stop."""
+        while True:
+            batch = self.results(batch_size, mode, timeout, by_group, group_filter)
+            if batch:
+                yield batch
+
     def _until(self, deadline: float, fn: Callable[..., T], *args: Any) -> T | None:
         """`fn(*args)`, waiting out an outage until the monotonic `deadline`; None if Redis
         did not answer by then."""
@@ -421,58 +434,76 @@ class RolloutClient:
 class AsyncRolloutClient:
     """The same methods as `RolloutClient`, awaitable.
 
-    Each call runs the sync client's method in a worker thread (`asyncio.to_thread`), one at a
-    time (a lock), so the semantics (acks, buffering, exactly-once) are the sync client's own.
+    Each call runs the sync client's method in a worker thread (`asyncio.to_thread`), so the
+    semantics (acks, buffering, exactly-once) are the sync client's own; its Redis connection
+    pool serves the threads at once. Only calls that share client state wait for each other:
+    reading results (`results`, `stream`, `ack`: the delivery buffer and its acknowledgements)
+    one at a time, and `enqueue` with `cancel_groups` (the groups this client enqueued). So a
+    `results()` waiting for a batch never holds up an `enqueue`, a `pause` or a `status`.
     """
 
     def __init__(self, redis_url: str, namespace: str, workloads: Iterable[str] | None = None,
                  consumer: str = "trainer") -> None:
         self._sync = RolloutClient(redis_url, namespace, workloads, consumer)
-        self._lock = asyncio.Lock()
+        self._reading = asyncio.Lock()  # the delivery buffer and its acknowledgements
+        self._groups = asyncio.Lock()  # the groups this client enqueued
 
-    async def _call(self, fn, *args, **kwargs):
-        async with self._lock:
+    async def _call(self, lock: asyncio.Lock | None, fn, *args, **kwargs):
+        if lock is None:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        async with lock:
             return await asyncio.to_thread(fn, *args, **kwargs)
 
     async def enqueue(self, sessions: Iterable[Session | Mapping[str, Any]]) -> list[str]:
-        return await self._call(self._sync.enqueue, list(sessions))
+        return await self._call(self._groups, self._sync.enqueue, list(sessions))
 
     async def set_mixture(self, mixture: Mapping[str, float]) -> dict[str, float]:
-        return await self._call(self._sync.set_mixture, dict(mixture))
+        return await self._call(None, self._sync.set_mixture, dict(mixture))
 
     async def results(self, batch_size: int, mode: Literal["fifo", "quota"] = "fifo",
                       timeout: float = 10.0, by_group: bool = False,
                       group_filter: Callable[[list[SessionResult]], bool] | None = None
                       ) -> list[SessionResult]:
-        return await self._call(self._sync.results, batch_size, mode, timeout, by_group,
-                                group_filter)
+        return await self._call(self._reading, self._sync.results, batch_size, mode, timeout,
+                                by_group, group_filter)
+
+    async def stream(self, batch_size: int, mode: Literal["fifo", "quota"] = "fifo",
+                     timeout: float = 10.0, by_group: bool = False,
+                     group_filter: Callable[[list[SessionResult]], bool] | None = None
+                     ) -> AsyncIterator[list[SessionResult]]:
+        """`async for batch in client.stream(64): ...` (see `RolloutClient.stream`)."""
+        while True:
+            batch = await self.results(batch_size, mode, timeout, by_group, group_filter)
+            if batch:
+                yield batch
 
     async def cancel_groups(self, group_ids: Iterable[str]) -> dict[str, str]:
-        return await self._call(self._sync.cancel_groups, list(group_ids))
+        return await self._call(self._groups, self._sync.cancel_groups, list(group_ids))
 
     async def ack(self) -> None:
-        await self._call(self._sync.ack)
+        await self._call(self._reading, self._sync.ack)
 
     async def cancel(self, session_id: str) -> str:
-        return await self._call(self._sync.cancel, session_id)
+        return await self._call(None, self._sync.cancel, session_id)
 
     async def pause(self, mode: str = "keep", timeout: float = 30.0) -> list[str]:
-        return await self._call(self._sync.pause, mode, timeout)
+        return await self._call(None, self._sync.pause, mode, timeout)
 
     async def resume(self, version: int) -> int:
-        return await self._call(self._sync.resume, version)
+        return await self._call(None, self._sync.resume, version)
 
     async def set_max_staleness(self, max_staleness: int | None) -> None:
-        await self._call(self._sync.set_max_staleness, max_staleness)
+        await self._call(None, self._sync.set_max_staleness, max_staleness)
 
     async def weights(self) -> WeightsState:
-        return await self._call(self._sync.weights)
+        return await self._call(None, self._sync.weights)
 
     async def status(self) -> dict[str, Any]:
-        return await self._call(self._sync.status)
+        return await self._call(None, self._sync.status)
 
     async def close(self) -> None:
-        await self._call(self._sync.close)
+        async with self._groups:
+            await self._call(self._reading, self._sync.close)
 
     async def __aenter__(self) -> AsyncRolloutClient:
         return self

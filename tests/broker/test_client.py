@@ -169,6 +169,52 @@ def test_async_client_has_the_same_methods(redis_url, namespace, redis_client):
     assert st["mixture"] == {"rlvr": 1.0}
 
 
+def test_a_waiting_results_call_never_holds_up_enqueue_or_status(redis_url, namespace,
+                                                                  redis_client):
+    """An empty namespace: `results` waits its whole timeout. `enqueue`, `status` and `pause`
+    run meanwhile and return while it still waits (one lock for every call held them back
+    for the whole wait)."""
+    async def main():
+        async with AsyncRolloutClient(redis_url, namespace) as ac:
+            waiting = asyncio.create_task(ac.results(5, timeout=8.0))
+            await asyncio.sleep(0.2)  # it is inside its blocking read now
+            assert await ac.enqueue([make_session(1)]) == ["s1"]
+            assert (await ac.status())["pending"]["rlvr"] == 1
+            assert await ac.pause("keep", timeout=1.0) == []  # no worker: nothing to wait for
+            assert not waiting.done()
+            return await waiting
+    assert asyncio.run(main()) == []
+
+
+def test_stream_yields_batch_after_batch(redis_url, namespace, redis_client):
+    publish(redis_url, namespace, redis_client, 7)
+    c = RolloutClient(redis_url, namespace)
+    got: list[list[SessionResult]] = []
+    try:
+        for batch in c.stream(3, timeout=2.0):
+            got.append(batch)
+            if sum(map(len, got)) == 7:
+                break
+    finally:
+        c.close()
+    assert [len(b) for b in got] == [3, 3, 1]  # the last: what was left after its timeout
+    assert len({r.session_id for b in got for r in b}) == 7
+
+
+def test_the_async_stream_yields_batch_after_batch(redis_url, namespace, redis_client):
+    publish(redis_url, namespace, redis_client, 4)
+
+    async def main():
+        async with AsyncRolloutClient(redis_url, namespace) as ac:
+            got = []
+            async for batch in ac.stream(2, timeout=2.0):
+                got.append([r.session_id for r in batch])
+                if sum(map(len, got)) == 4:
+                    return got
+    got = asyncio.run(main())
+    assert [len(b) for b in got] == [2, 2] and len({s for b in got for s in b}) == 4
+
+
 @pytest.mark.parametrize("item, field", [
     ({"prompt_token_ids": [True, False]}, r"prompt_token_ids\.0: Input should be a valid integer"),
     ({"max_tokens": "10"}, "max_tokens: Input should be a valid integer"),
