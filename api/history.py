@@ -9,7 +9,7 @@ import bisect
 import threading
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MIN_SPACING_S = 0.25  # denser samples add nothing to a minute-long window
 
@@ -19,6 +19,7 @@ class Sample:
     at: float
     finished: Mapping[str, int]  # workload -> results published, ever
     consumed: Mapping[str, int]  # workload -> results acknowledged, ever
+    tokens: Mapping[str, int] = field(default_factory=dict)  # workload -> output tokens, ever
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,7 @@ class Delta:
     span_s: float
     finished: dict[str, int]
     consumed: dict[str, int]
+    tokens: dict[str, int]
 
 
 def _diff(new: Mapping[str, int], old: Mapping[str, int]) -> dict[str, int]:
@@ -54,4 +56,5 @@ class CounterHistory:
             i = bisect.bisect_left(times, now.at - window_s)
             old = self._samples[i] if i < len(self._samples) else now
         return Delta(span_s=max(0.0, now.at - old.at), finished=_diff(now.finished, old.finished),
-                     consumed=_diff(now.consumed, old.consumed))
+                     consumed=_diff(now.consumed, old.consumed),
+                     tokens=_diff(now.tokens, old.tokens))

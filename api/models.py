@@ -99,6 +99,7 @@ class WorkloadStatus(BaseModel):
     requeued: int  # of `depth`, taken back from dead backends (admitted before the rest)
     oldest_pending_age_s: float | None  # None when nothing waits
     finished_total: int  # results published (done or failed)
+    failed_total: int  # of those, failed
     consumed_total: int  # results the trainer acknowledged
 
 
@@ -137,10 +138,14 @@ class ThroughputWindow(BaseModel):
     covered_s: float  # the span measured (shorter just after the API started)
     sessions_per_s: float
     by_workload: dict[str, float]
+    tokens_per_s: float  # output tokens of the results published in the window, per second
+    tokens_by_workload: dict[str, float]
 
 
 class BrokerStatus(BaseModel):
     lease_held: bool  # some broker holds the namespace's lease (is active)
+    policy: str | None = None  # the active broker's policy
+    holder: str | None = None  # the active broker's consumer id
 
 
 class StatusPublic(BaseModel):

@@ -100,6 +100,20 @@ def _backend(b: str, ledger_flat, n_sessions: int, metrics, added: int,
     )
 
 
+def _counter(fields: dict[str, str], prefix: str) -> dict[str, int]:
+    """workload -> count, from the kvsec hash's `<prefix><workload>` fields (finish.lua)."""
+    return {f[len(prefix):]: int(v) for f, v in fields.items() if f.startswith(prefix)}
+
+
+def _broker(lease: object) -> BrokerStatus:
+    """Who holds the lease: a broker's token is "<policy>@<consumer>/<nonce>" (lease.py)."""
+    token = lease if isinstance(lease, str) else ""
+    holder, sep, _ = token.rpartition("/")
+    policy, at, consumer = holder.rpartition("@") if sep else ("", "", "")
+    return BrokerStatus(lease_held=bool(token), policy=policy if at else None,
+                        holder=consumer if at else None)
+
+
 class StatusReader:
     """Reads `StatusPublic` for one namespace; holds the client and the registered script."""
 
@@ -142,8 +156,11 @@ class StatusReader:
                now: float) -> StatusPublic:
         target = {w: float(v) for w, v in _pairs(raw["mixture"]).items()}
         consumed = {w: int(v) for w, v in _pairs(raw["consumed"]).items()}
-        finished = {w[2:]: int(v) for w, v in _pairs(raw["kvsec"]).items() if w.startswith("n:")}
-        sample = Sample(at=now, finished=finished, consumed=consumed)
+        counters = _pairs(raw["kvsec"])
+        finished = _counter(counters, "n:")
+        failed = _counter(counters, "failed:")
+        sample = Sample(at=now, finished=finished, consumed=consumed,
+                        tokens=_counter(counters, "tok:"))
 
         wl_status = []
         for w, (n_pend, n_req, first_pend, first_req) in zip(workloads, raw["workloads"] or []):
@@ -152,7 +169,8 @@ class StatusReader:
             wl_status.append(WorkloadStatus(
                 workload=w, depth=int(n_pend) + int(n_req), requeued=int(n_req),
                 oldest_pending_age_s=max(ages) if ages else None,
-                finished_total=finished.get(w, 0), consumed_total=consumed.get(w, 0)))
+                finished_total=finished.get(w, 0), failed_total=failed.get(w, 0),
+                consumed_total=consumed.get(w, 0)))
         be_status = [st for b, row in zip(backends, raw["backends"] or [])
                      if (st := _backend(b, *row, now=now)) is not None]
 
@@ -161,13 +179,15 @@ class StatusReader:
         for span in self.throughput_windows_s:
             d = self._history.delta(sample, span)
             rate = {w: (n / d.span_s if d.span_s > 0 else 0.0) for w, n in d.finished.items()}
+            tok = {w: (n / d.span_s if d.span_s > 0 else 0.0) for w, n in d.tokens.items()}
             throughput.append(ThroughputWindow(window_s=span, covered_s=d.span_s,
                                                sessions_per_s=sum(rate.values()),
-                                               by_workload=rate))
+                                               by_workload=rate, tokens_per_s=sum(tok.values()),
+                                               tokens_by_workload=tok))
         self._history.add(sample)
         return StatusPublic(
             at=now, namespace=self._keys.namespace,
-            broker=BrokerStatus(lease_held=bool(raw["lease"])),
+            broker=_broker(raw["lease"]),
             workloads=wl_status, backends=be_status,
             mixture=MixtureStatus(target=target, consumed_total=consumed,
                                   consumed_window=win.consumed, window_s=win.span_s,

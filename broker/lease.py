@@ -19,14 +19,17 @@ from broker.scripts import Scripts
 
 
 class Lease:
-    def __init__(self, client: redis.Redis, keys: Keys, scripts: Scripts, period_s: float) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, scripts: Scripts, period_s: float,
+                 holder: str = "") -> None:
+        """`holder` ("<policy>@<consumer>") leads the token, so that readers of the lease key
+        (the status API) can say who is active with which policy; the token stays unique."""
         if period_s <= 0:
             raise ValueError(f"lease_period: {period_s} must be positive")
         self._client = client
         self._keys = keys
         self._scripts = scripts
         self.period_ms = max(1, int(period_s * 1000))
-        self.token = uuid.uuid4().hex
+        self.token = f"{holder}/{uuid.uuid4().hex}" if holder else uuid.uuid4().hex
         self._renewed_at = 0.0  # monotonic time of the last successful acquire/renew
         self.held = False
 

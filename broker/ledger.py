@@ -142,7 +142,7 @@ class Ledger:
                              vocab_size=min(vocabs, default=None))
 
     def kv_seconds(self) -> dict[str, tuple[float, int]]:
-        """workload -> (summed KV-token-seconds, finished sessions)."""
+        """workload -> (summed KV-token-seconds, finished sessions). The hash's other fields
+        (`n:`, `tok:`, `failed:` + workload; finish.lua) are per-workload counters."""
         raw = {as_text(k): as_text(v) for k, v in self._client.hgetall(self._keys.kv_seconds).items()}
-        return {w: (float(v), int(raw.get(f"n:{w}", 0))) for w, v in raw.items()
-                if not w.startswith("n:")}
+        return {w: (float(v), int(raw.get(f"n:{w}", 0))) for w, v in raw.items() if ":" not in w}

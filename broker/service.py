@@ -103,7 +103,8 @@ class BrokerService:
         self._outage = Outage(f"broker {self.consumer}", log)
         self._scripts = Scripts(self._client)
         self._queue = SessionQueue(self._client, self.keys, self._scripts)
-        self.lease = Lease(self._client, self.keys, self._scripts, self.settings.lease_period_s)
+        self.lease = Lease(self._client, self.keys, self._scripts, self.settings.lease_period_s,
+                           holder=f"{self.policy.name}@{self.consumer}")
         self._reset_memory()
         self.admitted_total = 0  # sessions this process admitted (for benchmarks and logs)
 

@@ -198,7 +198,8 @@ class WorkerLink:
             keys=[k.session(result.session_id), k.ledger(b), k.ledger_sessions(b), k.admitted(b),
                   k.results, k.events, k.kv_seconds, k.requeue(result.workload), k.stats],
             args=[result.session_id, b, result.status.value, result.model_dump_json(),
-                  stats.model_dump_json(), repr(now), repr(stats.kv_token_seconds)],
+                  stats.model_dump_json(), repr(now), repr(stats.kv_token_seconds),
+                  str(result.output_tokens)],
             client=pipe)
 
 

@@ -11,7 +11,8 @@
 -- round trip suffices while the fleet does not change).
 -- Returns one JSON document (floats survive JSON; a Lua number returned bare is truncated):
 -- {index_workloads, index_backends: the sets' members;
---  mixture, consumed, kvsec: flat field/value lists; lease: 0|1; results, dead: lengths;
+--  mixture, consumed, kvsec: flat field/value lists; lease: the holder's token ('' if none:
+--  "<policy>@<consumer>/<nonce>", see broker/lease.py); results, dead: lengths;
 --  workloads: [[pending len, requeue len, first pending id|'', first requeue enqueued_at|'']];
 --  backends: [[ledger flat list, resident sessions, heartbeat metrics|false, entries added|-1]]}
 -- Read-only: it writes nothing. Cost: O(workloads + backends), each stream read is XLEN or one
@@ -21,7 +22,7 @@ local out = {
   mixture = redis.call('HGETALL', KEYS[1]),
   consumed = redis.call('HGETALL', KEYS[2]),
   kvsec = redis.call('HGETALL', KEYS[3]),
-  lease = redis.call('EXISTS', KEYS[4]),
+  lease = redis.call('GET', KEYS[4]) or '',
   results = redis.call('XLEN', KEYS[5]),
   dead = redis.call('XLEN', KEYS[6]),
   index_workloads = redis.call('SMEMBERS', KEYS[7]),

@@ -120,10 +120,12 @@ function tables(st) {
     cell(row, num(w.requeued));
     cell(row, secs(w.oldest_pending_age_s));
     cell(row, num(w.finished_total));
+    cell(row, num(w.failed_total), w.failed_total ? "bad" : undefined);
     cell(row, num(w.consumed_total));
     cell(row, pct(st.mixture.target[w.workload]));
     cell(row, consumedSum ? pct(w.consumed_total / consumedSum) : "—");
     cell(row, oneMin ? (oneMin.by_workload[w.workload] || 0).toFixed(2) : "—");
+    cell(row, oneMin ? fmt(Math.round(oneMin.tokens_by_workload[w.workload] || 0)) : "—");
     wbody.append(row);
   }
   const bbody = document.querySelector("#backends tbody");
@@ -147,10 +149,17 @@ function tables(st) {
 function header(st) {
   document.getElementById("namespace").textContent = `namespace ${st.namespace}`;
   const lease = document.getElementById("lease");
-  lease.textContent = st.broker.lease_held ? "broker active" : "no active broker";
+  lease.textContent = !st.broker.lease_held ? "no active broker"
+    : st.broker.policy ? `broker ${st.broker.holder} active, policy ${st.broker.policy}`
+    : "broker active";
   lease.className = "tag " + (st.broker.lease_held ? "ok" : "bad");
-  document.getElementById("throughput").textContent = "sessions/s " + st.throughput
-    .map((w) => `${fmt(w.window_s / 60)} min: ${w.sessions_per_s.toFixed(2)}`).join(" · ");
+  document.getElementById("throughput").textContent = st.throughput
+    .map((w) => `${fmt(w.window_s / 60)} min: ${w.sessions_per_s.toFixed(2)} sessions/s, ` +
+                `${fmt(Math.round(w.tokens_per_s))} tok/s`).join(" · ");
+  const failed = st.workloads.reduce((a, w) => a + w.failed_total, 0);
+  const failures = document.getElementById("failures");
+  failures.textContent = `failed ${failed} · dead letters ${st.dead_letter}`;
+  failures.className = "tag " + (failed || st.dead_letter ? "bad" : "ok");
   document.getElementById("updated").textContent = "updated " + new Date(st.at * 1000).toLocaleTimeString();
 }
 
@@ -174,13 +183,19 @@ function record(st) {
 async function poll() {
   try {
     const res = await fetch("v1/status", { cache: "no-store" });
-    if (!res.ok) throw new Error(`HTTP ${res.status}`);
+    if (!res.ok) {  // the API says why ({"field", "reason"}): e.g. "redis: unavailable (...)"
+      const body = await res.json().catch(() => null);
+      throw new Error(body && body.reason ? body.reason : `HTTP ${res.status}`);
+    }
     const st = await res.json();
+    document.getElementById("updated").className = "muted";
     header(st);
     tables(st);
     record(st);
   } catch (err) {
-    document.getElementById("updated").textContent = `status unavailable: ${err.message}`;
+    const updated = document.getElementById("updated");
+    updated.textContent = `status unavailable: ${err.message}`;
+    updated.className = "bad";
   } finally {
     setTimeout(poll, POLL_MS);
   }

@@ -6,7 +6,9 @@
 -- KEYS[9] = rb:{ns}:stats
 -- ARGV[1] = sid   ARGV[2] = backend id   ARGV[3] = status ('done' | 'failed')
 -- ARGV[4] = SessionResult JSON   ARGV[5] = completion stats JSON   ARGV[6] = now
--- ARGV[7] = KV-token-seconds the session held
+-- ARGV[7] = KV-token-seconds the session held   ARGV[8] (optional) = its output tokens
+-- On 'ok' the kvsec hash counts, per workload: the KV-token-seconds (field <workload>), the
+-- results ('n:'), their output tokens ('tok:') and the failed ones ('failed:').
 -- Returns 'ok'; 'duplicate' when the session is already done/failed/cancelled (nothing changes);
 -- 'stale' when the session is now another backend's (re-admitted there after this one was
 -- taken for dead), so the same session is never published twice.
@@ -50,5 +52,11 @@ redis.call('HSET', KEYS[1], 'state', ARGV[3], 'finished_at', ARGV[6])
 redis.call('HDEL', KEYS[1], 'checkpoint')
 redis.call('HINCRBYFLOAT', KEYS[7], workload, ARGV[7])
 redis.call('HINCRBY', KEYS[7], 'n:' .. workload, 1)
+if ARGV[8] then
+  redis.call('HINCRBY', KEYS[7], 'tok:' .. workload, ARGV[8])
+end
+if ARGV[3] == 'failed' then
+  redis.call('HINCRBY', KEYS[7], 'failed:' .. workload, 1)
+end
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', '10000', '*', 'kind', 'finish', 'backend', ARGV[2])
 return 'ok'

@@ -67,6 +67,10 @@ def test_dashboard_draws_live_charts(busy_namespace, live_server, tmp_path):
         assert series >= 1 and points >= 2 * series, (chart, m.group(0))
     assert "<polyline" in dom.stdout
     assert "broker" in dom.stdout and "b0" in dom.stdout and "agentic" in dom.stdout
+    # the header answers "busy? failing?": sessions/s and tok/s, failures and dead letters
+    assert re.search(r"1 min: [0-9.]+ sessions/s, [0-9.k]+ tok/s", dom.stdout), dom.stdout[:3000]
+    assert re.search(r'id="failures" class="tag (ok|bad)">failed \d+ · dead letters \d+', dom.stdout)
+    assert "<th>tokens/s (1 min)</th>" in dom.stdout and "<th>failed</th>" in dom.stdout
 
     shot = tmp_path / "dashboard.png"
     r = chromium(tmp_path / "profile-shot", url, f"--screenshot={shot}", "--hide-scrollbars")
@@ -86,3 +90,43 @@ def test_dashboard_draws_live_charts(busy_namespace, live_server, tmp_path):
     # Legend swatches and the "healthy" text use these colours too, but add up to ~300 pixels;
     # lines across the plots add ~500 per chart.
     assert all(n > 800 for n in drawn.values()), f"chart lines barely drawn: {drawn}"
+
+
+def test_dashboard_shows_who_is_active_and_why_the_status_is_down(fleet, settings, tmp_path):
+    """With a broker: who holds the lease and its policy. With Redis gone: the API's reason,
+    not a bare HTTP status."""
+    from api.app import create_app
+    from broker.redis_server import free_port
+
+    fleet.backend("b0")
+    fleet.start_broker("least_loaded")
+    import threading
+    import time
+
+    import uvicorn
+
+    def serve(app) -> str:
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                               log_level="warning", lifespan="on"))
+        threading.Thread(target=server.run, daemon=True).start()
+        deadline = time.monotonic() + 15
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        servers.append(server)
+        return f"http://127.0.0.1:{port}/"
+
+    servers: list = []
+    try:
+        up = chromium(tmp_path / "p1", serve(create_app(settings)), "--dump-dom")
+        assert re.search(r"broker broker-[0-9a-f]+ active, policy least_loaded", up.stdout), \
+            up.stdout[:3000]
+        down_settings = settings.model_copy(update={"redis_url":
+                                                    f"redis://127.0.0.1:{free_port()}/0"})
+        down = chromium(tmp_path / "p2", serve(create_app(down_settings)), "--dump-dom")
+        assert re.search(r'id="updated" class="bad">status unavailable: redis: ', down.stdout), \
+            down.stdout[:3000]
+    finally:
+        for server in servers:
+            server.should_exit = True

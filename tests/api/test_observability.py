@@ -37,6 +37,7 @@ def exported() -> set[str]:
     status = StatusPublic(
         at=0.0, namespace="ns", broker=BrokerStatus(lease_held=True),
         workloads=[WorkloadStatus(workload="rlvr", depth=1, requeued=0, oldest_pending_age_s=1.0,
+                                  failed_total=0,
                                   finished_total=1, consumed_total=1)],
         backends=[BackendStatus(
             backend_id="b0", healthy=True, capacity_tokens=10, max_model_len=10, alpha=1.0,

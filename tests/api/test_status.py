@@ -25,7 +25,7 @@ def test_queue_depth_and_oldest_age_before_any_broker(api):
     ages = {w["workload"]: w["oldest_pending_age_s"] for w in st["workloads"]}
     assert ages["rlhf"] is None
     assert 0.04 <= ages["rlvr"] < 30 and 0.04 <= ages["agentic"] < 30
-    assert st["broker"] == {"lease_held": False}
+    assert st["broker"] == {"lease_held": False, "policy": None, "holder": None}
     assert st["backends"] == []
 
 
@@ -43,6 +43,7 @@ def test_backends_show_reservations_heartbeats_and_admissions(api, fleet):
     assert wait_until(settled, timeout=20)
     st = api.get("/v1/status").json()
     assert st["broker"]["lease_held"] is True
+    assert st["broker"]["policy"] == "least_loaded" and st["broker"]["holder"].startswith("broker-")
     assert all(w["depth"] == 0 for w in st["workloads"])
     by_id = {b["backend_id"]: b for b in st["backends"]}
     assert set(by_id) == {"b0", "b1"}
@@ -94,6 +95,12 @@ def test_throughput_consumed_window_and_drift(api, fleet, redis_url, namespace):
     assert one_min["window_s"] == 60 and one_min["covered_s"] > 0.25
     assert one_min["sessions_per_s"] == pytest.approx(40 / one_min["covered_s"])
     assert {w["workload"]: w["finished_total"] for w in st["workloads"]}["rlvr"] == 30
+    tokens = sum(r.output_tokens for r in got)
+    assert tokens > 0 and one_min["tokens_per_s"] == pytest.approx(tokens / one_min["covered_s"])
+    assert sum(one_min["tokens_by_workload"].values()) == pytest.approx(one_min["tokens_per_s"])
+    assert {w["workload"]: w["failed_total"] for w in st["workloads"]} == {
+        w["workload"]: sum(r.workload == w["workload"] and r.status == "failed" for r in got)
+        for w in st["workloads"]}
 
 
 def test_drift_formula():

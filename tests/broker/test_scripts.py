@@ -235,6 +235,23 @@ def test_a_requeue_goes_on_from_the_last_checkpoint_of_the_backend_running_it(wo
     assert not redis_client.hexists(k.session("s2"), "checkpoint")
 
 
+def test_finish_counts_results_tokens_and_failures_per_workload(world, redis_client):
+    link = world.backend("b0")
+    world.q.enqueue([make_session(1), make_session(2)])
+    e = world.read_pending()
+    world.admit("s1", "b0", 10, e["s1"])
+    world.admit("s2", "b0", 10, e["s2"])
+    done = SessionResult(session_id="s1", workload="rlvr", status=SessionState.done,
+                         output_tokens=7)
+    failed = SessionResult(session_id="s2", workload="rlvr", status=SessionState.failed,
+                           output_tokens=2, error="engine: boom")
+    assert link.finish(done) == "ok" and link.finish(failed) == "ok"
+    assert link.finish(done) == "duplicate"  # counted once
+    counts = {k.decode(): v.decode() for k, v in redis_client.hgetall(world.k.kv_seconds).items()}
+    assert (counts["n:rlvr"], counts["tok:rlvr"], counts["failed:rlvr"]) == ("2", "9", "1")
+    assert set(world.ledger.kv_seconds()) == {"rlvr"}  # the counters are not workloads
+
+
 def test_finish_drops_the_checkpoint(world, redis_client):
     from broker.session import PartialRollout
 
