@@ -420,7 +420,18 @@ class RqExecutor:
     def _statuses(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         from rq.job import Job, JobStatus
 
+        # Each job's status alone first: loading a whole job brings its payload (an agentic
+        # call carries the conversation so far), and most jobs polled are still running.
+        pipe = self._redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(Job.key_for(job_id), "status")
+        ended = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED}
+        ready = [job_id for job_id, st in zip(ids, pipe.execute())
+                 if st is None or st.decode() in ended]
         out: dict[str, tuple[str, Any]] = {}
+        if not ready:
+            return out
+        ids = ready
         for job_id, job in zip(ids, Job.fetch_many(ids, connection=self._redis,
                                                    serializer=self._serializer)):
             if job is None:
