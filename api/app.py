@@ -7,6 +7,7 @@ A request body over `max_body_bytes` is refused by `api.limits.BodyLimit` before
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,12 +16,27 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from api import errors
-from api.history import CounterHistory
+from api.history import ChartTrail, CounterHistory
 from api.limits import BodyLimit
 from api.routers import dashboard, health, metrics, mixture, sessions, status, weights
 from api.settings import ApiSettings, check_bind, get_settings
 from api.status import StatusReader
 from broker.keys import Keys
+
+
+CHART_WINDOW_S = 300.0  # the dashboard's charts span this much (api/static/app.js WINDOW_S)
+CHART_SAMPLE_S = 2.0  # how often the API samples them when no page is polling
+
+
+async def _sample_charts(reader: StatusReader) -> None:
+    """Read the status every CHART_SAMPLE_S, so the charts' history exists before a page opens
+    (each read feeds the trail); a failed read (Redis down) waits for the next tick."""
+    while True:
+        try:
+            await reader.read()
+        except Exception:  # noqa: BLE001 - the status endpoints report outages; this waits
+            pass
+        await asyncio.sleep(CHART_SAMPLE_S)
 
 
 def create_app(settings: ApiSettings | None = None) -> FastAPI:
@@ -32,9 +48,14 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         app.state.status_reader = StatusReader(
             app.state.redis, Keys(settings.namespace), app.state.history,
             settings.mixture_window_s, settings.throughput_windows_s)
+        app.state.status_reader.trail = app.state.chart_trail
+        sampler = asyncio.create_task(_sample_charts(app.state.status_reader),
+                                      name="chart-sampler")
         try:
             yield
         finally:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
             await app.state.redis.aclose()
             if app.state.rollout_client is not None:
                 app.state.rollout_client.close()
@@ -45,6 +66,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.history = CounterHistory(keep_s=max((settings.mixture_window_s,
                                                    *settings.throughput_windows_s)) + 5.0)
+    app.state.chart_trail = ChartTrail(keep_s=CHART_WINDOW_S)
     app.state.rollout_client = None
     app.state.redis_outage = errors.RedisOutage()
     errors.install(app)

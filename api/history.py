@@ -58,3 +58,36 @@ class CounterHistory:
         return Delta(span_s=max(0.0, now.at - old.at), finished=_diff(now.finished, old.finished),
                      consumed=_diff(now.consumed, old.consumed),
                      tokens=_diff(now.tokens, old.tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class ChartSample:
+    """What the dashboard's charts plot, at one status read."""
+
+    at: float
+    queue: dict[str, int]  # workload -> sessions waiting
+    kv: dict[str, float]  # backend -> the engine's KV usage, 0..1
+    drift: dict[str, float]  # "recent", "total"
+
+
+class ChartTrail:
+    """The charts' last `keep_s` seconds, kept by the API process (a background sampler and
+    every status read add to it), so a dashboard opened now starts with history."""
+
+    def __init__(self, keep_s: float, min_spacing_s: float = 1.0) -> None:
+        self.keep_s = keep_s
+        self.min_spacing_s = min_spacing_s
+        self._samples: deque[ChartSample] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, sample: ChartSample) -> None:
+        with self._lock:
+            if self._samples and sample.at - self._samples[-1].at < self.min_spacing_s:
+                return
+            self._samples.append(sample)
+            while self._samples and sample.at - self._samples[0].at > self.keep_s:
+                self._samples.popleft()
+
+    def samples(self) -> list[ChartSample]:
+        with self._lock:
+            return list(self._samples)

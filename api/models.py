@@ -148,6 +148,18 @@ class BrokerStatus(BaseModel):
     holder: str | None = None  # the active broker's consumer id
 
 
+class ChartPoint(BaseModel):
+    at: float  # unix seconds of the status read
+    queue: dict[str, int]  # workload -> depth
+    kv: dict[str, float]  # backend -> KV usage 0..1
+    drift: dict[str, float]  # "recent", "total"
+
+
+class HistoryPublic(BaseModel):
+    now: float  # the server's clock when it answered (place samples at now - (now - at))
+    samples: list[ChartPoint]
+
+
 class StatusPublic(BaseModel):
     at: float  # unix seconds the status was read
     namespace: str

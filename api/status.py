@@ -18,7 +18,7 @@ from importlib import resources
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from api.history import CounterHistory, Sample
+from api.history import ChartSample, ChartTrail, CounterHistory, Sample
 from api.models import (
     BackendStatus,
     BrokerStatus,
@@ -114,6 +114,14 @@ def _broker(lease: object) -> BrokerStatus:
                         holder=consumer if at else None)
 
 
+def chart_sample(st: StatusPublic) -> ChartSample:
+    drift = {k: v for k, v in (("recent", st.mixture.drift_window),
+                               ("total", st.mixture.drift_total)) if v is not None}
+    return ChartSample(at=st.at, queue={w.workload: w.depth for w in st.workloads},
+                       kv={b.backend_id: b.kv_usage for b in st.backends if b.kv_usage is not None},
+                       drift=drift)
+
+
 class StatusReader:
     """Reads `StatusPublic` for one namespace; holds the client and the registered script."""
 
@@ -125,6 +133,7 @@ class StatusReader:
         self._script = client.register_script(STATUS_LUA)
         self.mixture_window_s = mixture_window_s
         self.throughput_windows_s = throughput_windows_s
+        self.trail: ChartTrail | None = None  # the dashboard's history, fed by every read
         self._workloads: list[str] = []  # the index as of the last read
         self._backends: list[str] = []
 
@@ -185,7 +194,7 @@ class StatusReader:
                                                by_workload=rate, tokens_per_s=sum(tok.values()),
                                                tokens_by_workload=tok))
         self._history.add(sample)
-        return StatusPublic(
+        status = StatusPublic(
             at=now, namespace=self._keys.namespace,
             broker=_broker(raw["lease"]),
             workloads=wl_status, backends=be_status,
@@ -196,3 +205,6 @@ class StatusReader:
             throughput=throughput, results_total=int(raw["results"]),
             dead_letter=int(raw["dead"]),
         )
+        if self.trail is not None:
+            self.trail.add(chart_sample(status))
+        return status

@@ -5,11 +5,13 @@ than have FastAPI validate them a second time (the response models still documen
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+import time
+
+from fastapi import APIRouter, Request, Response
 from pydantic import TypeAdapter
 
 from api.deps import StatusReaderDep
-from api.models import BackendStatus, StatusPublic
+from api.models import BackendStatus, ChartPoint, HistoryPublic, StatusPublic
 
 router = APIRouter(prefix="/v1", tags=["status"])
 
@@ -20,6 +22,15 @@ _BACKENDS = TypeAdapter(list[BackendStatus])
 async def get_status(reader: StatusReaderDep) -> Response:
     status = await reader.read()
     return Response(status.model_dump_json(), media_type="application/json")
+
+
+@router.get("/history", response_model=HistoryPublic)
+async def get_history(request: Request) -> HistoryPublic:
+    """What the dashboard's charts plot over the last 5 minutes, as the API sampled it (every
+    2 s, and at each status read): a page opened now starts with that history."""
+    return HistoryPublic(now=time.time(), samples=[
+        ChartPoint(at=s.at, queue=s.queue, kv=s.kv, drift=s.drift)
+        for s in request.app.state.chart_trail.samples()])
 
 
 @router.get("/backends", response_model=list[BackendStatus])

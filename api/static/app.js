@@ -173,6 +173,30 @@ function record(st) {
   for (const b of st.backends) push("kv", b.backend_id, t, b.kv_usage);
   push("drift", "recent", t, st.mixture.drift_window);
   push("drift", "total", t, st.mixture.drift_total);
+  redraw(t);
+}
+
+// The API's own samples of the last minutes (v1/history), so the charts start with history
+// rather than at the page's first poll; each is placed by its age on the server's clock.
+async function loadHistory() {
+  try {
+    const res = await fetch("v1/history", { cache: "no-store" });
+    if (!res.ok) return;
+    const h = await res.json();
+    const t = Date.now() / 1000;
+    for (const s of h.samples) {
+      const at = t - (h.now - s.at);
+      if (firstT === null || at < firstT) firstT = at;
+      for (const [w, v] of Object.entries(s.queue)) push("queue", w, at, v);
+      for (const [b, v] of Object.entries(s.kv)) push("kv", b, at, v);
+      for (const [k, v] of Object.entries(s.drift)) push("drift", k, at, v);
+    }
+  } catch (err) {
+    // no history: the charts start with the first poll
+  }
+}
+
+function redraw(t) {
   prune(t);
   draw("chart-queue", history.queue, t);
   draw("chart-kv", history.kv, t, 1);
@@ -201,4 +225,4 @@ async function poll() {
   }
 }
 
-poll();
+loadHistory().finally(poll);

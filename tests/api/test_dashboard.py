@@ -130,3 +130,37 @@ def test_dashboard_shows_who_is_active_and_why_the_status_is_down(fleet, setting
     finally:
         for server in servers:
             server.should_exit = True
+
+
+def test_a_dashboard_opened_now_starts_with_the_apis_history(settings, redis_client, tmp_path):
+    """The API keeps the charts' last minutes; the page plots them at once, by their age."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from api.app import create_app
+    from api.history import ChartSample
+    from broker.redis_server import free_port
+
+    app = create_app(settings)
+    now = time.time()
+    for age in range(120, 0, -4):  # two minutes of a queue draining, every 4 s
+        app.state.chart_trail.add(ChartSample(at=now - age, queue={"rlvr": age}, kv={"b0": 0.5},
+                                              drift={"total": 0.1}))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on"))
+    threading.Thread(target=server.run, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 15
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        dom = chromium(tmp_path / "p", f"http://127.0.0.1:{port}/", "--dump-dom")
+    finally:
+        server.should_exit = True
+    m = re.search(r'<svg id="chart-queue"[^>]*data-points="(\d+)"', dom.stdout)
+    assert m and int(m.group(1)) >= 30, dom.stdout[:2000]
+    chart = dom.stdout[m.start():dom.stdout.index("</svg>", m.start())]
+    assert re.search(r">-1[12]\d+s<", chart), chart[:2000]  # the axis spans the two minutes

@@ -120,3 +120,16 @@ def test_history_windows_and_reset():
     assert h.delta(now, 1000).span_s == 105.0  # only what is kept
     reset = Sample(at=106.0, finished={"a": 3}, consumed={})
     assert h.delta(reset, 30).finished == {"a": 3}
+
+
+def test_the_api_keeps_the_charts_history(api, fleet):
+    fleet.backend("b0")
+    api.post("/v1/sessions", json={"sessions": [session_json(i) for i in range(3)]})
+    api.get("/v1/status")
+    time.sleep(1.1)  # the trail keeps one sample a second
+    api.get("/v1/status")
+    h = api.get("/v1/history").json()
+    assert len(h["samples"]) >= 2 and h["now"] >= h["samples"][-1]["at"]
+    last = h["samples"][-1]
+    assert last["queue"]["rlvr"] == 3 and "b0" in last["kv"]
+    assert [s["at"] for s in h["samples"]] == sorted(s["at"] for s in h["samples"])
