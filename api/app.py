@@ -8,6 +8,7 @@ A request body over `max_body_bytes` is refused by `api.limits.BodyLimit` before
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -24,6 +25,8 @@ from api.status import StatusReader
 from broker.keys import Keys
 
 
+log = logging.getLogger("rollout_broker.api")
+
 CHART_WINDOW_S = 300.0  # the dashboard's charts span this much (api/static/app.js WINDOW_S)
 CHART_SAMPLE_S = 2.0  # how often the API samples them when no page is polling
 
@@ -34,8 +37,8 @@ async def _sample_charts(reader: StatusReader) -> None:
     while True:
         try:
             await reader.read()
-        except Exception:  # noqa: BLE001 - the status endpoints report outages; this waits
-            pass
+        except Exception:  # an outage: the status endpoints report it; this waits
+            log.debug("chart sample failed", exc_info=True)
         await asyncio.sleep(CHART_SAMPLE_S)
 
 

@@ -27,6 +27,14 @@ def _check_port(field: str, port: int) -> None:
         raise ValueError(f"{field}: {port} must be a TCP port, 1-65535 (0: off)")
 
 
+def _serve_metrics(port: int) -> None:
+    """This process's own Prometheus metrics (broker/metrics.py) on `port`, if not 0."""
+    if port:
+        from broker.metrics import serve_metrics
+
+        serve_metrics(port)
+
+
 def _print_version(value: bool) -> None:
     if value:
         from importlib.metadata import version
@@ -80,15 +88,12 @@ def sim_engine(
     fault_injection: Annotated[bool, typer.Option(help="serve POST /sim/faults (fault drills: a slow /metrics)")] = False,
 ) -> None:
     """Serve a simulated vLLM v1 engine over vLLM's OpenAI-compatible HTTP API."""
-    from sim.engine.profiles import get_profile
+    from sim.engine.profiles import check_engine_options, get_profile
     from sim.server.app import serve
 
     try:
         get_profile(profile)
-        if not time_scale > 0:
-            raise ValueError(f"time_scale: {time_scale:g} must be more than 0")
-        if kv_tokens is not None and kv_tokens < 1:
-            raise ValueError(f"kv_tokens: {kv_tokens} must be at least 1")
+        check_engine_options(time_scale, kv_tokens)
     except ValueError as exc:
         raise _usage_error("sim-engine", exc) from None
 
@@ -128,10 +133,7 @@ def broker(
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    if metrics_port:
-        from broker.metrics import serve_metrics
-
-        serve_metrics(metrics_port)
+    _serve_metrics(metrics_port)
     service = BrokerService(redis_url, namespace, chosen,
                             BrokerSettings(lease_period_s=lease_s, window=window))
     service.run(stop)
@@ -226,10 +228,7 @@ def worker(
         _check_port("metrics_port", metrics_port)
     except ValueError as exc:
         raise _usage_error("worker", exc) from None
-    if metrics_port:
-        from broker.metrics import serve_metrics
-
-        serve_metrics(metrics_port)
+    _serve_metrics(metrics_port)
     try:
         run_worker(settings,
                    EngineOptions(spec=engine, time_scale=time_scale, kv_tokens=kv_tokens,
@@ -328,10 +327,10 @@ def demo(
                             time_scale=time_scale, kv_tokens=kv_tokens, tools=tools,
                             tool_workers=tool_workers, redis_url=redis_url)
     try:
-        check_demo(settings)
+        checked = check_demo(settings)
     except ValueError as exc:
         raise _usage_error("demo", exc) from None
-    raise typer.Exit(run_demo(settings))
+    raise typer.Exit(run_demo(settings, scenario=checked))
 
 
 @app.command("api")

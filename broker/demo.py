@@ -302,17 +302,13 @@ def _terminate_on_sigterm() -> None:
 def check_demo(settings: DemoSettings) -> Scenario:
     """The demo's scenario, once every setting is one the demo can run; else ValueError naming
     the option (before anything starts)."""
-    from sim.engine.profiles import get_profile
+    from sim.engine.profiles import check_engine_options, get_profile
     from sim.scenario import load_scenario
 
     if settings.engines < 1:
         raise ValueError(f"engines: {settings.engines} must be at least 1")
     if not settings.duration_s > 0:
         raise ValueError(f"duration: {settings.duration_s:g} must be more than 0 seconds")
-    if not settings.time_scale > 0:
-        raise ValueError(f"time_scale: {settings.time_scale:g} must be more than 0")
-    if settings.kv_tokens is not None and settings.kv_tokens < 1:
-        raise ValueError(f"kv_tokens: {settings.kv_tokens} must be at least 1")
     if settings.tools not in ("inline", "rq"):
         raise ValueError(f"tools: {settings.tools!r} must be 'inline' or 'rq'")
     if settings.tool_workers < 1:
@@ -321,13 +317,16 @@ def check_demo(settings: DemoSettings) -> Scenario:
         check_redis_url(settings.redis_url)
     check_live_policy(settings.policy)
     scenario = load_scenario(settings.scenario)
+    check_engine_options(settings.time_scale, settings.kv_tokens)
     get_profile(scenario.fleet.profile)
     return scenario
 
 
-def run_demo(settings: DemoSettings, console: Console | None = None) -> int:
+def run_demo(settings: DemoSettings, console: Console | None = None,
+             scenario: Scenario | None = None) -> int:
+    """`scenario`: what `check_demo(settings)` returned, if the caller checked already."""
     console = console or Console()
-    scenario = check_demo(settings)
+    scenario = scenario or check_demo(settings)
     kv = settings.kv_tokens or scenario.fleet.kv_tokens
     _terminate_on_sigterm()
     handle: RedisHandle = ensure_redis(settings.redis_url)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from broker.binaries import find_executable
 from broker.redis_conn import check_redis_url
-from sim.engine.profiles import get_profile
+from sim.engine.profiles import check_engine_options, get_profile
 from workers.engine import EngineSpec, open_engine, vllm_command
 from workers.tools import load_registry, make_executor
 from workers.worker import Worker, WorkerSettings
@@ -65,10 +65,7 @@ def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptio
     try:
         check_redis_url(settings.redis_url)
         spec = EngineSpec.parse(engine.spec)
-        if not engine.time_scale > 0:
-            raise ValueError(f"time_scale: {engine.time_scale:g} must be more than 0")
-        if engine.kv_tokens is not None and engine.kv_tokens < 1:
-            raise ValueError(f"kv_tokens: {engine.kv_tokens} must be at least 1")
+        check_engine_options(engine.time_scale, engine.kv_tokens)
         if spec.kind == "sim":
             try:
                 get_profile(spec.target)

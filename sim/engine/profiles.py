@@ -226,6 +226,15 @@ PROFILES: dict[str, EngineProfile] = {
 }
 
 
+def check_engine_options(time_scale: float, kv_tokens: int | None) -> None:
+    """Raise ValueError("<field>: ...") for a clock scale or KV size no simulated engine can run
+    with (the commands that start one check them before they start anything)."""
+    if not time_scale > 0:
+        raise ValueError(f"time_scale: {time_scale:g} must be more than 0")
+    if kv_tokens is not None and kv_tokens < 1:
+        raise ValueError(f"kv_tokens: {kv_tokens} must be at least 1")
+
+
 def get_profile(name: str) -> EngineProfile:
     try:
         return PROFILES[name]

@@ -48,6 +48,15 @@ class World:
                   k.admitted(b), k.pending(workload)],
             args=[token, sid, b, charge, entry, "1.0", enforce]))
 
+    def admitted(self, b: str, *ids: int, charge: int = 10) -> WorkerLink:
+        """Sessions s<id> enqueued and admitted to backend `b` (registered here); its link."""
+        link = self.backend(b)
+        self.q.enqueue([make_session(i) for i in ids])
+        entries = self.read_pending()
+        for i in ids:
+            assert self.admit(f"s{i}", b, charge, entries[f"s{i}"]) == "ok"
+        return link
+
     def reserved(self, b: str) -> int:
         return self.ledger.read(b).reserved_tokens
 
@@ -204,11 +213,7 @@ def test_requeue_of_a_dead_backend_goes_to_the_front_and_releases(world, redis_c
 def test_a_requeue_goes_on_from_the_last_checkpoint_of_the_backend_running_it(world, redis_client):
     from broker.session import PartialRollout, Session, TurnRecord
 
-    link, other = world.backend("b0"), world.backend("b1")
-    world.q.enqueue([make_session(1), make_session(2)])
-    e = world.read_pending()
-    world.admit("s1", "b0", 10, e["s1"])
-    world.admit("s2", "b0", 10, e["s2"])
+    link, other = world.admitted("b0", 1, 2), world.backend("b1")
     k = world.k
 
     def body(sid: str, turn: int) -> Session:
@@ -236,11 +241,7 @@ def test_a_requeue_goes_on_from_the_last_checkpoint_of_the_backend_running_it(wo
 
 
 def test_finish_counts_results_tokens_and_failures_per_workload(world, redis_client):
-    link = world.backend("b0")
-    world.q.enqueue([make_session(1), make_session(2)])
-    e = world.read_pending()
-    world.admit("s1", "b0", 10, e["s1"])
-    world.admit("s2", "b0", 10, e["s2"])
+    link = world.admitted("b0", 1, 2)
     done = SessionResult(session_id="s1", workload="rlvr", status=SessionState.done,
                          output_tokens=7)
     failed = SessionResult(session_id="s2", workload="rlvr", status=SessionState.failed,
@@ -255,9 +256,7 @@ def test_finish_counts_results_tokens_and_failures_per_workload(world, redis_cli
 def test_finish_drops_the_checkpoint(world, redis_client):
     from broker.session import PartialRollout
 
-    link = world.backend("b0")
-    world.q.enqueue([make_session(1)])
-    world.admit("s1", "b0", 10, world.read_pending()["s1"])
+    link = world.admitted("b0", 1)
     link.mark_running("s1")
     assert link.checkpoint(make_session(1).model_copy(update={"resume_from": PartialRollout(
         turn_records=[], history_token_ids=[1], turn=1)}))
@@ -322,11 +321,7 @@ def test_out_of_attempts_ends_failed_with_one_result(world, redis_client):
 
 
 def test_hand_back_leaves_the_backend_at_once(world, redis_client):
-    link = world.backend("b0")
-    world.q.enqueue([make_session(1), make_session(2)])
-    e = world.read_pending()
-    world.admit("s1", "b0", 10, e["s1"])
-    world.admit("s2", "b0", 10, e["s2"])
+    link = world.admitted("b0", 1, 2)
     assert len(link.read_admitted(count=10, block_ms=None)) == 2
     assert link.mark_running("s1")
     assert link.hand_back([make_session(1)], "engine: timed out") == (1, 0)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -23,36 +26,45 @@ pytestmark = pytest.mark.timeout(150)
 N = 500
 
 
-def test_kill_9_of_a_worker_mid_run(redis_url, namespace, redis_client):
-    k = Keys(namespace)
-    sessions = mixed_sessions(72)[:N]
-    procs = {b: start_worker(redis_url, namespace, b) for b in ("w0", "w1")}
-    got: list = []
+@contextmanager
+def broker_and_trainer(redis_url: str, namespace: str,
+                       procs: dict[str, subprocess.Popen]) -> Iterator[RolloutClient]:
+    """A broker thread and a trainer's client over the worker processes `procs` (which the
+    test may add to); on the way out, everything stops and no process is left behind."""
     try:
         broker = BrokerThread(redis_url, namespace, make_policy("least_loaded"),
                               lease_s=1.0).start()
         client = RolloutClient(redis_url, namespace)
-
-        def collect(n: int) -> bool:
-            got.extend(client.results(N, timeout=0.3))
-            return len(got) >= n
-
         try:
-            assert wait_until(lambda: all(client.status()["backends"].get(b, {}).get("healthy")
-                                          for b in procs), timeout=60)
-            client.enqueue(sessions)
-            assert wait_until(lambda: collect(N // 5), timeout=60, every=0)
-            assert redis_client.hlen(k.ledger_sessions("w0")) > 0, "nothing left on w0 to lose"
-            procs["w0"].send_signal(signal.SIGKILL)
-            procs["w0"].wait()
-            wait_until(lambda: collect(N), timeout=90, every=0)
-            client.ack()
+            yield client
         finally:
             broker.stop()
             terminate_workers(procs)
             client.close()
     finally:
-        kill_process_groups(procs)  # the killed worker's engine child, if it outlived it
+        kill_process_groups(procs)  # a killed worker's engine child, if it outlived it
+
+
+def test_kill_9_of_a_worker_mid_run(redis_url, namespace, redis_client):
+    k = Keys(namespace)
+    sessions = mixed_sessions(72)[:N]
+    procs = {b: start_worker(redis_url, namespace, b) for b in ("w0", "w1")}
+    got: list = []
+    with broker_and_trainer(redis_url, namespace, procs) as client:
+
+        def collect(n: int) -> bool:
+            got.extend(client.results(N, timeout=0.3))
+            return len(got) >= n
+
+        assert wait_until(lambda: all(client.status()["backends"].get(b, {}).get("healthy")
+                                      for b in procs), timeout=60)
+        client.enqueue(sessions)
+        assert wait_until(lambda: collect(N // 5), timeout=60, every=0)
+        assert redis_client.hlen(k.ledger_sessions("w0")) > 0, "nothing left on w0 to lose"
+        procs["w0"].send_signal(signal.SIGKILL)
+        procs["w0"].wait()
+        wait_until(lambda: collect(N), timeout=90, every=0)
+        client.ack()
     ids = [r.session_id for r in got]
     assert len(ids) == N and len(set(ids)) == N, f"{len(ids)} results, {len(set(ids))} unique"
     assert redis_client.xlen(k.results) == N
@@ -78,44 +90,34 @@ def test_a_killed_worker_loses_no_turn_its_sessions_finished(redis_url, namespac
                 for i in range(n)]
     procs = {"w0": start_worker(redis_url, namespace, "w0")}
     got: list = []
-    try:
-        broker = BrokerThread(redis_url, namespace, make_policy("least_loaded"),
-                              lease_s=1.0).start()
-        client = RolloutClient(redis_url, namespace)
 
-        def checkpoints() -> dict[str, Session]:
-            out = {}
-            for s in sessions:
-                body = redis_client.hget(k.session(s.session_id), "checkpoint")
-                if body is not None:
-                    out[s.session_id] = Session.model_validate_json(body)
-            return out
+    def checkpoints() -> dict[str, Session]:
+        out = {}
+        for s in sessions:
+            body = redis_client.hget(k.session(s.session_id), "checkpoint")
+            if body is not None:
+                out[s.session_id] = Session.model_validate_json(body)
+        return out
 
-        try:
-            assert wait_until(lambda: client.status()["backends"].get("w0", {}).get("healthy"),
-                              timeout=60)
-            client.enqueue(sessions)
-            assert wait_until(lambda: sum(c.resume_from.turn >= 2
-                                          for c in checkpoints().values()) >= n // 2, timeout=60)
-            procs["w0"].send_signal(signal.SIGKILL)
-            procs["w0"].wait()
-            kept = checkpoints()  # nothing writes them now; the broker has not reclaimed yet
-            assert all(redis_client.hget(k.session(sid), "state") == b"running" for sid in kept)
-            client.resume(1)  # new weights: every token generated from now on carries version 1
-            procs["w1"] = start_worker(redis_url, namespace, "w1")
+    with broker_and_trainer(redis_url, namespace, procs) as client:
+        assert wait_until(lambda: client.status()["backends"].get("w0", {}).get("healthy"),
+                          timeout=60)
+        client.enqueue(sessions)
+        assert wait_until(lambda: sum(c.resume_from.turn >= 2
+                                      for c in checkpoints().values()) >= n // 2, timeout=60)
+        procs["w0"].send_signal(signal.SIGKILL)
+        procs["w0"].wait()
+        kept = checkpoints()  # nothing writes them now; the broker has not reclaimed yet
+        assert all(redis_client.hget(k.session(sid), "state") == b"running" for sid in kept)
+        client.resume(1)  # new weights: every token generated from now on carries version 1
+        procs["w1"] = start_worker(redis_url, namespace, "w1")
 
-            def collect() -> bool:
-                got.extend(client.results(n, timeout=0.3))
-                return len(got) >= n
+        def collect() -> bool:
+            got.extend(client.results(n, timeout=0.3))
+            return len(got) >= n
 
-            assert wait_until(collect, timeout=90, every=0)
-            client.ack()
-        finally:
-            broker.stop()
-            terminate_workers(procs)
-            client.close()
-    finally:
-        kill_process_groups(procs)
+        assert wait_until(collect, timeout=90, every=0)
+        client.ack()
     by_id = {r.session_id: r for r in got}
     assert len(got) == n == len(by_id)
     assert all(r.status == SessionState.done for r in got), [r.error for r in got][:3]
