@@ -12,6 +12,9 @@ A Redis outage is ridden out: each call waits with backoff (logged once per outa
 on when Redis answers, for up to `outage_timeout_s`, then raises the Redis error. Every call
 is safe to repeat, so a call whose reply was lost is simply made again; `enqueue` then reports
 the ids it added in the lost attempt as known, not new.
+
+`RolloutClient` blocks; `AsyncRolloutClient` runs the same plans (broker/plans.py) on a
+`redis.asyncio` connection.
 """
 
 from __future__ import annotations
@@ -27,13 +30,13 @@ from typing import Any, Literal, TypeVar
 from pydantic import ValidationError
 
 from broker.keys import TRAINER_GROUP, Keys
-from broker.ledger import Ledger
+from broker.ledger import EnqueueLimits, enqueue_limits, read_all
 from broker.mixture import quotas
-from broker.queue import SessionQueue, validate_batch
-from broker.redis_conn import Outage, connect, is_outage
-from broker.scripts import Scripts
+from broker.plans import AsyncRunner, Cmd, Guard, Plan, Runner, batch, cmd, ensure_group, script
+from broker.queue import dead_letter, enqueue, validate_batch
+from broker.redis_conn import Outage, connect, connect_async
 from broker.session import DEFAULT_WORKLOADS, Session, SessionResult
-from broker.streams import BacklogCursor, as_text, ensure_group
+from broker.streams import BacklogCursor, as_text
 from broker.weights import (
     WeightsState,
     order_pause,
@@ -55,26 +58,21 @@ def _entry_order(entry_id: str) -> tuple[int, ...]:
     return tuple(int(x) for x in entry_id.split("-"))
 
 
-class RolloutClient:
-    def __init__(self, redis_url: str, namespace: str, workloads: Iterable[str] | None = None,
-                 consumer: str = "trainer",
-                 outage_timeout_s: float = DEFAULT_OUTAGE_TIMEOUT_S) -> None:
-        """`workloads` adds names to the namespace's known workloads; a namespace with none yet
-        starts with the defaults (rlvr, rlhf, agentic). `outage_timeout_s`: how long a call
-        waits for Redis to answer before it raises."""
+class _Plans:
+    """What both clients hold and do, as plans (broker/plans.py): the namespace's keys, the
+    delivery buffer and its acknowledgements, the groups this client enqueued. No I/O here;
+    `RolloutClient` and `AsyncRolloutClient` run these plans on their own connection."""
+
+    def __init__(self, namespace: str, workloads: Iterable[str] | None, consumer: str,
+                 outage_timeout_s: float) -> None:
         self.keys = Keys(namespace)
         self.consumer = consumer
         self.outage_timeout_s = outage_timeout_s
-        self._client = connect(redis_url)
         self._outage = Outage(f"client {namespace}/{consumer}", log)
-        self._scripts = Scripts(self._client)
-        self._queue = SessionQueue(self._client, self.keys, self._scripts)
-        self._ledger = Ledger(self._client, self.keys)
         names = list(workloads or ())
         for w in names:
             self.keys.pending(w)  # validates the name
         self._seed_names = names
-        self._retry(self._setup, names)
         self._cursor = BacklogCursor()  # our deliveries from before a restart come first
         self._buffer: dict[str, deque[tuple[str, SessionResult]]] = {}  # delivered, not handed
         self._handed: list[tuple[str, str]] = []  # (entry id, workload) handed back, not acked
@@ -82,57 +80,48 @@ class RolloutClient:
         self._groups: dict[str, set[str]] = {}  # group id -> its sessions this client enqueued
         self.filtered_groups = 0  # whole groups `group_filter` turned away (acknowledged)
 
-    def _setup(self, names: list[str]) -> None:
-        if names:
-            self._client.sadd(self.keys.workloads, *names)
-        elif not self._client.exists(self.keys.workloads):
-            self._client.sadd(self.keys.workloads, *DEFAULT_WORKLOADS)
-        ensure_group(self._client, self.keys.results, TRAINER_GROUP)
+    def _retry(self, plan: Callable[..., Plan[T]], *args: Any) -> Guard:
+        """A step: `plan(*args)`, waiting out a Redis outage of up to `outage_timeout_s`."""
+        return Guard(plan, args, deadline=time.monotonic() + self.outage_timeout_s)
 
-    def _retry(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)`, waiting out a Redis outage of up to `outage_timeout_s`."""
-        return self._outage.call(fn, *args, deadline=time.monotonic() + self.outage_timeout_s)
+    def _retried(self, plan: Callable[..., Plan[T]], *args: Any) -> Plan[T]:
+        return (yield self._retry(plan, *args))
 
-    def close(self) -> None:
-        self.ack()
-        self._client.close()
+    @staticmethod
+    def _until(deadline: float, plan: Callable[..., Plan[T]], *args: Any) -> Guard:
+        """A step: `plan(*args)`, waiting out an outage until the monotonic `deadline`; None
+        if Redis did not answer by then."""
+        return Guard(plan, args, deadline=deadline, quiet=True)
 
-    def __enter__(self) -> RolloutClient:
-        return self
+    def _setup(self) -> Plan[None]:
+        if self._seed_names:
+            yield cmd("sadd", self.keys.workloads, *self._seed_names)
+        elif not (yield cmd("exists", self.keys.workloads)):
+            yield cmd("sadd", self.keys.workloads, *DEFAULT_WORKLOADS)
+        yield from ensure_group(self.keys.results, TRAINER_GROUP)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- enqueue and configuration --------------------------------------------------------------
-    def known_workloads(self) -> set[str]:
-        return self._retry(self._known_workloads)
-
-    def _known_workloads(self) -> set[str]:
-        known = {as_text(w) for w in self._client.smembers(self.keys.workloads)}
+    def _known_workloads(self) -> Plan[set[str]]:
+        known = {as_text(w) for w in (yield cmd("smembers", self.keys.workloads))}
         if not known:  # a new namespace, or a Redis that came back without its data
-            self._setup(self._seed_names)
-            known = {as_text(w) for w in self._client.smembers(self.keys.workloads)}
+            yield from self._setup()
+            known = {as_text(w) for w in (yield cmd("smembers", self.keys.workloads))}
         return known
 
-    def enqueue(self, sessions: Iterable[Session | Mapping[str, Any]]) -> list[str]:
-        """Validate the whole batch, then add it; returns the ids that were new.
+    # -- enqueue and configuration --------------------------------------------------------------
+    def _known_and_limits(self) -> Plan[tuple[set[str], EnqueueLimits]]:
+        return (yield from self._known_workloads()), (yield from enqueue_limits(self.keys))
 
-        A bad item rejects the batch before anything is written (ValueError naming the item
-        and field), so nothing is half-enqueued. Re-enqueueing a known id is a no-op.
-        """
-        items = list(sessions)
-        known, limits = self._retry(lambda: (self._known_workloads(),
-                                             self._ledger.enqueue_limits()))
+    def _enqueue(self, items: list[Session | Mapping[str, Any]]) -> Plan[list[str]]:
+        known, limits = yield self._retry(self._known_and_limits)
         batch = validate_batch(items, known, limits)
-        new = self._retry(self._queue.enqueue, batch)
+        new = yield self._retry(enqueue, self.keys, batch)
         for s in batch:
             if s.group_id is not None:
                 self._groups.setdefault(s.group_id, set()).add(s.session_id)
         return new
 
-    def set_mixture(self, mixture: Mapping[str, float]) -> dict[str, float]:
-        """Set the target share π_w of consumed sessions per workload; must sum to 1 ± 1e-6."""
-        known = self.known_workloads()
+    def _set_mixture(self, mixture: Mapping[str, float]) -> Plan[dict[str, float]]:
+        known = yield self._retry(self._known_workloads)
         if not mixture:
             raise ValueError("mixture: give at least one workload share")
         for w, p in mixture.items():
@@ -145,41 +134,34 @@ class RolloutClient:
         if abs(total - 1.0) > MIXTURE_TOLERANCE:
             raise ValueError(f"mixture: shares sum to {total}, not 1")
         clean = {w: float(p) / total for w, p in mixture.items()}
-
-        def write() -> None:
-            pipe = self._client.pipeline(transaction=True)
-            pipe.delete(self.keys.mixture)
-            pipe.hset(self.keys.mixture, mapping={w: repr(p) for w, p in clean.items()})
-            pipe.execute()
-        self._retry(write)
+        yield self._retry(self._write_mixture, clean)
         return clean
 
-    def mixture(self) -> dict[str, float]:
-        return self._retry(self._read_mixture)
+    def _write_mixture(self, clean: dict[str, float]) -> Plan[None]:
+        yield batch([Cmd("delete", (self.keys.mixture,)),
+                     Cmd("hset", (self.keys.mixture,),
+                         {"mapping": {w: repr(p) for w, p in clean.items()}})],
+                    transaction=True)
 
-    def _read_mixture(self) -> dict[str, float]:
-        self._mixture_seen = {as_text(k): float(v)
-                              for k, v in self._client.hgetall(self.keys.mixture).items()}
+    def _read_mixture(self) -> Plan[dict[str, float]]:
+        fields = yield cmd("hgetall", self.keys.mixture)
+        self._mixture_seen = {as_text(k): float(v) for k, v in fields.items()}
         return self._mixture_seen
 
     # -- results --------------------------------------------------------------------------------
-    def ack(self) -> None:
-        """Acknowledge every result handed back so far (count it as consumed)."""
-        self._retry(self._ack_once)
-
-    def _ack_once(self) -> None:
+    def _ack_once(self) -> Plan[None]:
         if not self._handed:
             return
         args: list[str] = [TRAINER_GROUP]
         for eid, w in self._handed:
             args += [eid, w]
-        self._scripts.ack_results(keys=[self.keys.results, self.keys.consumed], args=args)
+        yield script("ack_results", [self.keys.results, self.keys.consumed], args)
         self._handed = []
 
-    def _fetch(self, count: int, block_ms: int | None) -> int:
+    def _fetch(self, count: int, block_ms: int | None) -> Plan[int]:
         start, block = self._cursor.read_args(block_ms)
-        reply = self._client.xreadgroup(TRAINER_GROUP, self.consumer, {self.keys.results: start},
-                                        count=count, block=block)
+        reply = yield cmd("xreadgroup", TRAINER_GROUP, self.consumer, {self.keys.results: start},
+                          count=count, block=block)
         entries = reply[0][1] if reply else []
         self._cursor.advance(entries, count)
         n = 0
@@ -196,8 +178,8 @@ class RolloutClient:
                 reason = (f"result does not validate: {exc.errors()[0]['msg']}"
                           if isinstance(exc, ValidationError) else str(exc))
                 log.error("results entry %s dead-lettered: %s", eid, reason)
-                self._queue.dead_letter(self.keys.results, eid, fields, reason,
-                                        group=TRAINER_GROUP)
+                yield from dead_letter(self.keys, self.keys.results, eid, fields, reason,
+                                       group=TRAINER_GROUP)
                 continue
             self._buffer.setdefault(r.workload, deque()).append((eid, r))
             n += 1
@@ -206,26 +188,9 @@ class RolloutClient:
     def _buffered(self) -> int:
         return sum(len(q) for q in self._buffer.values())
 
-    def results(self, batch_size: int, mode: Literal["fifo", "quota"] = "fifo",
-                timeout: float = 10.0, by_group: bool = False,
-                group_filter: Callable[[list[SessionResult]], bool] | None = None
-                ) -> list[SessionResult]:
-        """Up to `batch_size` results; fewer only if `timeout` seconds pass first.
-
-        `fifo`: in completion order. `quota`: batch_size·π_w of each workload (largest
-        remainders); results beyond a workload's quota wait in the client for later batches.
-        `by_group` (fifo only): whole GRPO groups, never part of one: groups in the order their
-        last member finished, as many as fit in `batch_size` (a group larger than it comes
-        alone); members of unfinished groups wait in the client. A session without a group is a
-        group of one. (A cancelled member publishes no result: its group never completes.)
-        `group_filter` (with `by_group`): a whole group it returns False for is acknowledged
-        and never handed over (counted in `filtered_groups`), e.g. DAPO's dynamic sampling,
-        "the rewards of the group are not all equal". Over-sample by enqueueing more groups
-        than a batch needs, then `cancel_groups` the surplus once the batch is full.
-        A Redis outage only delays results, within `timeout`: the previous batch's
-        acknowledgement then waits for the next call (until then a restarted trainer would get
-        that batch again, as if it had crashed before acknowledging it).
-        """
+    def _results(self, batch_size: int, mode: str, timeout: float, by_group: bool,
+                 group_filter: Callable[[list[SessionResult]], bool] | None
+                 ) -> Plan[list[SessionResult]]:
         if batch_size <= 0:
             raise ValueError(f"batch_size: {batch_size} must be positive")
         if mode not in ("fifo", "quota"):
@@ -235,49 +200,26 @@ class RolloutClient:
         if group_filter is not None and not by_group:
             raise ValueError("group_filter: filters whole groups; pass by_group=True")
         deadline = time.monotonic() + timeout
-        self._until(deadline, self._ack_once)
+        yield self._until(deadline, self._ack_once)
         want = None
         if mode == "quota":
-            mixture = self._until(deadline, self._read_mixture)
+            mixture = yield self._until(deadline, self._read_mixture)
             want = quotas(batch_size, mixture if mixture is not None else self._mixture_seen)
             if not want:
                 raise ValueError("mode: quota needs a mixture; call set_mixture first")
         while not (self._groups_ready(batch_size, group_filter) if by_group
                    else self._satisfied(batch_size, want)):
             left = deadline - time.monotonic()
-            if left <= 0 or self._until(deadline, self._fetch, max(batch_size, 100),
-                                        min(int(left * 1000), 1000) or 1) is None:
+            if left <= 0 or (yield self._until(deadline, self._fetch, max(batch_size, 100),
+                                               min(int(left * 1000), 1000) or 1)) is None:
                 break
-        batch = (self._take_groups(batch_size, group_filter) if by_group
-                 else self._take(batch_size, want))
-        state = self._until(deadline, read_state, self._client, self.keys) if batch else None
+        picked = (self._take_groups(batch_size, group_filter) if by_group
+                  else self._take(batch_size, want))
+        state = (yield self._until(deadline, read_state, self.keys)) if picked else None
         if state is not None and state.max_staleness is not None:
-            for r in batch:
+            for r in picked:
                 r.stale = state.is_stale(r.oldest_version)
-        return batch
-
-    def stream(self, batch_size: int, mode: Literal["fifo", "quota"] = "fifo",
-               timeout: float = 10.0, by_group: bool = False,
-               group_filter: Callable[[list[SessionResult]], bool] | None = None
-               ) -> Iterator[list[SessionResult]]:
-        """`results(...)` batch after batch, for a training loop: `for batch in
-        client.stream(64): ...`. A batch is acknowledged when the next one is asked for (as
-        with `results`); `timeout` bounds each wait, and a wait that brings nothing yields
-        nothing. Endless: break out of the loop to stop."""
-        while True:
-            batch = self.results(batch_size, mode, timeout, by_group, group_filter)
-            if batch:
-                yield batch
-
-    def _until(self, deadline: float, fn: Callable[..., T], *args: Any) -> T | None:
-        """`fn(*args)`, waiting out an outage until the monotonic `deadline`; None if Redis
-        did not answer by then."""
-        try:
-            return self._outage.call(fn, *args, deadline=deadline)
-        except Exception as exc:
-            if not is_outage(exc):
-                raise
-            return None
+        return picked
 
     def _satisfied(self, batch_size: int, want: dict[str, int] | None) -> bool:
         if want is None:
@@ -337,91 +279,55 @@ class RolloutClient:
         return [r for _, r in picked]
 
     # -- weight updates -------------------------------------------------------------------------
-    def pause(self, mode: str = "keep", timeout: float = 30.0) -> list[str]:
-        """Stop generation for a weight update (broker/weights.py): admission stops and every
-        live worker pauses its engine with vLLM's `mode` (`abort`, `wait` or `keep`). Returns
-        once all of them have, with their backend ids; TimeoutError names any that did not."""
-        epoch = self._retry(order_pause, self._client, self._scripts, self.keys, mode)
-        return self._retry(wait_paused, self._client, self.keys, epoch, timeout)
-
-    def resume(self, version: int) -> int:
-        """Generation goes on with the weights of policy `version` (the trainer has loaded
-        them): engines resume, outputs from now on carry `version`, admission restarts."""
-        return self._retry(order_resume, self._client, self._scripts, self.keys, version)
-
-    def set_max_staleness(self, max_staleness: int | None) -> None:
-        """Bound how many policy versions behind the engines' a session may be: a pending one
-        further behind is not admitted (its `on_stale` says whether it fails or runs on the
-        current weights), and a result whose oldest tokens are further behind is handed over
-        with `stale=True`. None: no bound."""
-        self._retry(order_staleness, self._client, self._scripts, self.keys, max_staleness)
-
-    def weights(self) -> WeightsState:
-        """Whether generation is paused (and how), and the policy version engines serve."""
-        return self._retry(read_state, self._client, self.keys)
+    def _pause(self, mode: str, timeout: float) -> Plan[list[str]]:
+        epoch = yield self._retry(order_pause, self.keys, mode)
+        return (yield self._retry(wait_paused, self.keys, epoch, timeout))
 
     # -- cancel and status ----------------------------------------------------------------------
-    def cancel_groups(self, group_ids: Iterable[str]) -> dict[str, str]:
-        """Cancel every session of these groups that has not finished (running ones stop on
-        their engines): the surplus of an over-sampled batch. Groups are the ones this client
-        enqueued. Returns each session's `cancel` outcome."""
+    def _cancel_groups(self, group_ids: list[str]) -> Plan[dict[str, str]]:
         out: dict[str, str] = {}
         for gid in group_ids:
             members = self._groups.get(gid)
             if members is None:
                 raise ValueError(f"group_id: {gid!r} was not enqueued by this client")
             for sid in sorted(members):
-                out[sid] = self.cancel(sid)
+                out[sid] = yield self._retry(self._cancel, sid)
         return out
 
-    def cancel(self, session_id: str) -> str:
-        """'cancelled', or the state that made it too late ('done', 'failed', 'cancelled',
-        'dead_lettered'), or 'unknown'. A cancelled session publishes no result."""
-        return self._retry(self._cancel, session_id)
-
-    def _cancel(self, session_id: str) -> str:
+    def _cancel(self, session_id: str) -> Plan[str]:
         k = self.keys
         for _ in range(5):
-            backend = self._client.hget(k.session(session_id), "backend")
+            backend = yield cmd("hget", k.session(session_id), "backend")
             b = as_text(backend) if backend else None
             keys = [k.session(session_id)]
             if b:
                 keys += [k.ledger(b), k.ledger_sessions(b), k.admitted(b)]
             else:  # not on a backend: the ledger keys are never touched; any of ours will do
                 keys += [k.mixture, k.mixture, k.mixture]
-            reply = as_text(self._scripts.cancel(keys=keys + [k.events, k.control],
-                                                 args=[session_id, b or "", repr(time.time())]))
+            reply = as_text((yield script("cancel", keys + [k.events, k.control],
+                                          [session_id, b or "", repr(time.time())])))
             if reply != "retry":
                 return reply
         raise RuntimeError(f"session_id: {session_id!r} kept moving between backends; retry")
 
-    def status(self) -> dict[str, Any]:
-        return self._retry(self._status)
-
-    def _status(self) -> dict[str, Any]:
+    def _status(self) -> Plan[dict[str, Any]]:
         k = self.keys
-        workloads = sorted(self._known_workloads())
-        pipe = self._client.pipeline(transaction=False)
-        for w in workloads:
-            pipe.xlen(k.pending(w))
-            pipe.xlen(k.requeue(w))
-        pipe.hgetall(k.consumed)
-        pipe.xlen(k.results)
-        pipe.xlen(k.dead_letter)
-        replies = pipe.execute()
+        workloads = sorted((yield from self._known_workloads()))
+        replies = yield batch([Cmd("xlen", (s,)) for w in workloads
+                               for s in (k.pending(w), k.requeue(w))]
+                              + [Cmd("hgetall", (k.consumed,)), Cmd("xlen", (k.results,)),
+                                 Cmd("xlen", (k.dead_letter,))])
         n = 2 * len(workloads)
-        ledgers = self._ledger.read_all()
-        hb_pipe = self._client.pipeline(transaction=False)
-        for b in ledgers:
-            hb_pipe.exists(k.heartbeat(b))
-        alive = hb_pipe.execute()
+        ledgers = yield from read_all(k)
+        alive = yield batch([Cmd("exists", (k.heartbeat(b),)) for b in ledgers])
+        mixture = yield from self._read_mixture()
         return {
             "pending": {w: int(replies[2 * i]) + int(replies[2 * i + 1])
                         for i, w in enumerate(workloads)},
             "consumed": {as_text(a): int(v) for a, v in replies[n].items()},
             "results_stream": int(replies[n + 1]),
             "dead_letter": int(replies[n + 2]),
-            "mixture": self._read_mixture(),
+            "mixture": mixture,
             "backends": {
                 b: {"healthy": bool(h), "capacity_tokens": s.capacity_tokens,
                     "alpha": s.alpha, "reserved_tokens": s.reserved_tokens,
@@ -431,41 +337,172 @@ class RolloutClient:
         }
 
 
-class AsyncRolloutClient:
-    """The same methods as `RolloutClient`, awaitable.
+class RolloutClient(_Plans):
+    """The trainer's client on a blocking Redis connection (see the module's docstring)."""
 
-    Each call runs the sync client's method in a worker thread (`asyncio.to_thread`), so the
-    semantics (acks, buffering, exactly-once) are the sync client's own; its Redis connection
-    pool serves the threads at once. Only calls that share client state wait for each other:
-    reading results (`results`, `stream`, `ack`: the delivery buffer and its acknowledgements)
-    one at a time, and `enqueue` with `cancel_groups` (the groups this client enqueued). So a
-    `results()` waiting for a batch never holds up an `enqueue`, a `pause` or a `status`.
+    def __init__(self, redis_url: str, namespace: str, workloads: Iterable[str] | None = None,
+                 consumer: str = "trainer",
+                 outage_timeout_s: float = DEFAULT_OUTAGE_TIMEOUT_S) -> None:
+        """`workloads` adds names to the namespace's known workloads; a namespace with none yet
+        starts with the defaults (rlvr, rlhf, agentic). `outage_timeout_s`: how long a call
+        waits for Redis to answer before it raises."""
+        super().__init__(namespace, workloads, consumer, outage_timeout_s)
+        self._client = connect(redis_url)
+        self._runner = Runner(self._client, self._outage)
+        self._runner.run(self._retried(self._setup))
+
+    def close(self) -> None:
+        self.ack()
+        self._client.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def known_workloads(self) -> set[str]:
+        return self._runner.run(self._retried(self._known_workloads))
+
+    def enqueue(self, sessions: Iterable[Session | Mapping[str, Any]]) -> list[str]:
+        """Validate the whole batch, then add it; returns the ids that were new.
+
+        A bad item rejects the batch before anything is written (ValueError naming the item
+        and field), so nothing is half-enqueued. Re-enqueueing a known id is a no-op.
+        """
+        return self._runner.run(self._enqueue(list(sessions)))
+
+    def set_mixture(self, mixture: Mapping[str, float]) -> dict[str, float]:
+        """Set the target share π_w of consumed sessions per workload; must sum to 1 ± 1e-6."""
+        return self._runner.run(self._set_mixture(mixture))
+
+    def mixture(self) -> dict[str, float]:
+        return self._runner.run(self._retried(self._read_mixture))
+
+    def ack(self) -> None:
+        """Acknowledge every result handed back so far (count it as consumed)."""
+        self._runner.run(self._retried(self._ack_once))
+
+    def results(self, batch_size: int, mode: Literal["fifo", "quota"] = "fifo",
+                timeout: float = 10.0, by_group: bool = False,
+                group_filter: Callable[[list[SessionResult]], bool] | None = None
+                ) -> list[SessionResult]:
+        """Up to `batch_size` results; fewer only if `timeout` seconds pass first.
+
+        `fifo`: in completion order. `quota`: batch_size·π_w of each workload (largest
+        remainders); results beyond a workload's quota wait in the client for later batches.
+        `by_group` (fifo only): whole GRPO groups, never part of one: groups in the order their
+        last member finished, as many as fit in `batch_size` (a group larger than it comes
+        alone); members of unfinished groups wait in the client. A session without a group is a
+        group of one. (A cancelled member publishes no result: its group never completes.)
+        `group_filter` (with `by_group`): a whole group it returns False for is acknowledged
+        and never handed over (counted in `filtered_groups`), e.g. DAPO's dynamic sampling,
+        "the rewards of the group are not all equal". Over-sample by enqueueing more groups
+        than a batch needs, then `cancel_groups` the surplus once the batch is full.
+        A Redis outage only delays results, within `timeout`: the previous batch's
+        acknowledgement then waits for the next call (until then a restarted trainer would get
+        that batch again, as if it had crashed before acknowledging it).
+        """
+        return self._runner.run(self._results(batch_size, mode, timeout, by_group, group_filter))
+
+    def stream(self, batch_size: int, mode: Literal["fifo", "quota"] = "fifo",
+               timeout: float = 10.0, by_group: bool = False,
+               group_filter: Callable[[list[SessionResult]], bool] | None = None
+               ) -> Iterator[list[SessionResult]]:
+        """`results(...)` batch after batch, for a training loop: `for batch in
+        client.stream(64): ...`. A batch is acknowledged when the next one is asked for (as
+        with `results`); `timeout` bounds each wait, and a wait that brings nothing yields
+        nothing. Endless: break out of the loop to stop."""
+        while True:
+            batch = self.results(batch_size, mode, timeout, by_group, group_filter)
+            if batch:
+                yield batch
+
+    def pause(self, mode: str = "keep", timeout: float = 30.0) -> list[str]:
+        """Stop generation for a weight update (broker/weights.py): admission stops and every
+        live worker pauses its engine with vLLM's `mode` (`abort`, `wait` or `keep`). Returns
+        once all of them have, with their backend ids; TimeoutError names any that did not."""
+        return self._runner.run(self._pause(mode, timeout))
+
+    def resume(self, version: int) -> int:
+        """Generation goes on with the weights of policy `version` (the trainer has loaded
+        them): engines resume, outputs from now on carry `version`, admission restarts."""
+        return self._runner.run(self._retried(order_resume, self.keys, version))
+
+    def set_max_staleness(self, max_staleness: int | None) -> None:
+        """Bound how many policy versions behind the engines' a session may be: a pending one
+        further behind is not admitted (its `on_stale` says whether it fails or runs on the
+        current weights), and a result whose oldest tokens are further behind is handed over
+        with `stale=True`. None: no bound."""
+        self._runner.run(self._retried(order_staleness, self.keys, max_staleness))
+
+    def weights(self) -> WeightsState:
+        """Whether generation is paused (and how), and the policy version engines serve."""
+        return self._runner.run(self._retried(read_state, self.keys))
+
+    def cancel_groups(self, group_ids: Iterable[str]) -> dict[str, str]:
+        """Cancel every session of these groups that has not finished (running ones stop on
+        their engines): the surplus of an over-sampled batch. Groups are the ones this client
+        enqueued. Returns each session's `cancel` outcome."""
+        return self._runner.run(self._cancel_groups(list(group_ids)))
+
+    def cancel(self, session_id: str) -> str:
+        """'cancelled', or the state that made it too late ('done', 'failed', 'cancelled',
+        'dead_lettered'), or 'unknown'. A cancelled session publishes no result."""
+        return self._runner.run(self._retried(self._cancel, session_id))
+
+    def status(self) -> dict[str, Any]:
+        return self._runner.run(self._retried(self._status))
+
+
+class AsyncRolloutClient(_Plans):
+    """`RolloutClient`'s methods, awaitable, on a `redis.asyncio` connection.
+
+    The same plans run on both (the rules live once), so acks, buffering and exactly-once
+    delivery are the sync client's. Nothing blocks a thread: a `results()` waiting for a batch
+    never holds up an `enqueue`, a `pause` or a `status`. Reading results (`results`,
+    `stream`, `ack`) goes one call at a time: a batch is acknowledged when the next is asked
+    for. The namespace is set up on the first call.
     """
 
     def __init__(self, redis_url: str, namespace: str, workloads: Iterable[str] | None = None,
-                 consumer: str = "trainer") -> None:
-        self._sync = RolloutClient(redis_url, namespace, workloads, consumer)
+                 consumer: str = "trainer",
+                 outage_timeout_s: float = DEFAULT_OUTAGE_TIMEOUT_S) -> None:
+        super().__init__(namespace, workloads, consumer, outage_timeout_s)
+        self._client = connect_async(redis_url)
+        self._runner = AsyncRunner(self._client, self._outage)
+        self._set_up = False
         self._reading = asyncio.Lock()  # the delivery buffer and its acknowledgements
-        self._groups = asyncio.Lock()  # the groups this client enqueued
 
-    async def _call(self, lock: asyncio.Lock | None, fn, *args, **kwargs):
-        if lock is None:
-            return await asyncio.to_thread(fn, *args, **kwargs)
-        async with lock:
-            return await asyncio.to_thread(fn, *args, **kwargs)
+    async def _run(self, plan: Plan[T]) -> T:
+        if not self._set_up:
+            await self._runner.run(self._retried(self._setup))
+            self._set_up = True
+        return await self._runner.run(plan)
+
+    async def known_workloads(self) -> set[str]:
+        return await self._run(self._retried(self._known_workloads))
 
     async def enqueue(self, sessions: Iterable[Session | Mapping[str, Any]]) -> list[str]:
-        return await self._call(self._groups, self._sync.enqueue, list(sessions))
+        return await self._run(self._enqueue(list(sessions)))
 
     async def set_mixture(self, mixture: Mapping[str, float]) -> dict[str, float]:
-        return await self._call(None, self._sync.set_mixture, dict(mixture))
+        return await self._run(self._set_mixture(dict(mixture)))
+
+    async def mixture(self) -> dict[str, float]:
+        return await self._run(self._retried(self._read_mixture))
+
+    async def ack(self) -> None:
+        async with self._reading:
+            await self._run(self._retried(self._ack_once))
 
     async def results(self, batch_size: int, mode: Literal["fifo", "quota"] = "fifo",
                       timeout: float = 10.0, by_group: bool = False,
                       group_filter: Callable[[list[SessionResult]], bool] | None = None
                       ) -> list[SessionResult]:
-        return await self._call(self._reading, self._sync.results, batch_size, mode, timeout,
-                                by_group, group_filter)
+        async with self._reading:
+            return await self._run(self._results(batch_size, mode, timeout, by_group,
+                                                 group_filter))
 
     async def stream(self, batch_size: int, mode: Literal["fifo", "quota"] = "fifo",
                      timeout: float = 10.0, by_group: bool = False,
@@ -477,33 +514,30 @@ class AsyncRolloutClient:
             if batch:
                 yield batch
 
-    async def cancel_groups(self, group_ids: Iterable[str]) -> dict[str, str]:
-        return await self._call(self._groups, self._sync.cancel_groups, list(group_ids))
-
-    async def ack(self) -> None:
-        await self._call(self._reading, self._sync.ack)
-
-    async def cancel(self, session_id: str) -> str:
-        return await self._call(None, self._sync.cancel, session_id)
-
     async def pause(self, mode: str = "keep", timeout: float = 30.0) -> list[str]:
-        return await self._call(None, self._sync.pause, mode, timeout)
+        return await self._run(self._pause(mode, timeout))
 
     async def resume(self, version: int) -> int:
-        return await self._call(None, self._sync.resume, version)
+        return await self._run(self._retried(order_resume, self.keys, version))
 
     async def set_max_staleness(self, max_staleness: int | None) -> None:
-        await self._call(None, self._sync.set_max_staleness, max_staleness)
+        await self._run(self._retried(order_staleness, self.keys, max_staleness))
 
     async def weights(self) -> WeightsState:
-        return await self._call(None, self._sync.weights)
+        return await self._run(self._retried(read_state, self.keys))
+
+    async def cancel_groups(self, group_ids: Iterable[str]) -> dict[str, str]:
+        return await self._run(self._cancel_groups(list(group_ids)))
+
+    async def cancel(self, session_id: str) -> str:
+        return await self._run(self._retried(self._cancel, session_id))
 
     async def status(self) -> dict[str, Any]:
-        return await self._call(None, self._sync.status)
+        return await self._run(self._retried(self._status))
 
     async def close(self) -> None:
-        async with self._groups:
-            await self._call(self._reading, self._sync.close)
+        await self.ack()
+        await self._client.aclose()
 
     async def __aenter__(self) -> AsyncRolloutClient:
         return self

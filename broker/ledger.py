@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import redis
 
 from broker.keys import WORKERS_GROUP, Keys, check_backend_id
+from broker.plans import Cmd, Plan, batch, cmd
 from broker.streams import as_text, ensure_group
 
 
@@ -97,9 +98,6 @@ class Ledger:
         pipe.execute()
         ensure_group(self._client, k.admitted(backend_id), WORKERS_GROUP)
 
-    def backend_ids(self) -> list[str]:
-        return sorted(as_text(b) for b in self._client.smembers(self._keys.backends))
-
     def read(self, backend_id: str) -> LedgerState | None:
         pipe = self._client.pipeline(transaction=True)
         pipe.hgetall(self._keys.ledger(backend_id))
@@ -107,42 +105,41 @@ class Ledger:
         fields, sessions = pipe.execute()
         return parse_ledger(backend_id, fields, sessions)
 
-    def read_all(self) -> dict[str, LedgerState]:
-        ids = self.backend_ids()
-        pipe = self._client.pipeline(transaction=True)
-        for b in ids:
-            pipe.hgetall(self._keys.ledger(b))
-            pipe.hgetall(self._keys.ledger_sessions(b))
-        replies = pipe.execute()
-        out = {}
-        for i, b in enumerate(ids):
-            state = parse_ledger(b, replies[2 * i], replies[2 * i + 1])
-            if state is not None:
-                out[b] = state
-        return out
-
     def set_alpha(self, backend_id: str, alpha: float, pipe: redis.client.Pipeline | None = None) -> None:
         if not (alpha > 0.0):
             raise ValueError(f"alpha: {alpha} must be positive")
         (pipe or self._client).hset(self._keys.ledger(backend_id), "alpha", repr(float(alpha)))
-
-    def enqueue_limits(self) -> EnqueueLimits:
-        """The registered backends' context and vocabulary limits.
-
-        Three fields per backend, not `read_all`: every enqueue asks, and the per-session
-        reservations of the whole fleet are not needed for it."""
-        ids = self.backend_ids()
-        pipe = self._client.pipeline(transaction=False)
-        for b in ids:
-            pipe.hmget(self._keys.ledger(b), "capacity", "max_model_len", "vocab_size")
-        rows = [(int(m or 0), int(v) if v else None) for cap, m, v in pipe.execute()
-                if cap is not None]
-        vocabs = [v for _, v in rows if v is not None]
-        return EnqueueLimits(max_model_len=max((m for m, _ in rows), default=None),
-                             vocab_size=min(vocabs, default=None))
 
     def kv_seconds(self) -> dict[str, tuple[float, int]]:
         """workload -> (summed KV-token-seconds, finished sessions). The hash's other fields
         (`n:`, `tok:`, `failed:` + workload; finish.lua) are per-workload counters."""
         raw = {as_text(k): as_text(v) for k, v in self._client.hgetall(self._keys.kv_seconds).items()}
         return {w: (float(v), int(raw.get(f"n:{w}", 0))) for w, v in raw.items() if ":" not in w}
+
+
+def read_all(keys: Keys) -> Plan[dict[str, LedgerState]]:
+    """Every registered backend's ledger, read in one transaction."""
+    ids = sorted(as_text(b) for b in (yield cmd("smembers", keys.backends)))
+    replies = yield batch([Cmd("hgetall", (key,)) for b in ids
+                           for key in (keys.ledger(b), keys.ledger_sessions(b))],
+                          transaction=True)
+    out = {}
+    for i, b in enumerate(ids):
+        state = parse_ledger(b, replies[2 * i], replies[2 * i + 1])
+        if state is not None:
+            out[b] = state
+    return out
+
+
+def enqueue_limits(keys: Keys) -> Plan[EnqueueLimits]:
+    """The registered backends' context and vocabulary limits.
+
+    Three fields per backend, not `read_all`: every enqueue asks, and the per-session
+    reservations of the whole fleet are not needed for it."""
+    ids = sorted(as_text(b) for b in (yield cmd("smembers", keys.backends)))
+    replies = yield batch([Cmd("hmget", (keys.ledger(b), "capacity", "max_model_len",
+                                         "vocab_size")) for b in ids])
+    rows = [(int(m or 0), int(v) if v else None) for cap, m, v in replies if cap is not None]
+    vocabs = [v for _, v in rows if v is not None]
+    return EnqueueLimits(max_model_len=max((m for m, _ in rows), default=None),
+                         vocab_size=min(vocabs, default=None))

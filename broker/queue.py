@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from broker.keys import BROKER_GROUP, Keys
 from broker.ledger import EnqueueLimits
+from broker.plans import Plan, Runner, script
 from broker.scripts import Scripts
 from broker.session import ID_RE as SESSION_ID_RE
 from broker.session import Session
@@ -95,6 +96,35 @@ def validate_batch(
     return out
 
 
+def enqueue(keys: Keys, sessions: Sequence[Session], now: float | None = None) -> Plan[list[str]]:
+    """Add validated sessions; returns the ids that were new (repeats are no-ops)."""
+    now = time.time() if now is None else now
+    new: list[str] = []
+    for start in range(0, len(sessions), ENQUEUE_CHUNK):
+        chunk = sessions[start:start + ENQUEUE_CHUNK]
+        skeys: list[str] = []
+        args: list[Any] = [repr(now)]
+        for s in chunk:
+            skeys += [keys.session(s.session_id), keys.pending(s.workload)]
+            args += [s.session_id, s.workload, s.model_dump_json()]
+        flags = yield script("enqueue", skeys, args)
+        new += [s.session_id for s, f in zip(chunk, flags) if int(f) == 1]
+    return new
+
+
+def dead_letter(keys: Keys, stream: str, entry_id: str, fields: Mapping, reason: str,
+                group: str = BROKER_GROUP) -> Plan[None]:
+    """Move an unreadable entry of `stream` (read by consumer group `group`) to the dead-letter
+    stream with its reason, and mark its session `dead_lettered` if this was its queue entry
+    (lua/dead_letter.lua)."""
+    sid = as_text(fields.get(b"sid", fields.get("sid", b"")))
+    session_key = keys.session(sid) if SESSION_ID_RE.match(sid) else keys.dead_letter
+    args: list = [entry_id, group, reason, repr(time.time())]
+    for k, v in fields.items():
+        args += [as_text(k), v]
+    yield script("dead_letter", [stream, keys.dead_letter, session_key], args)
+
+
 class SessionQueue:
     """Writes and reads the session streams. Holds a client, never subclasses it."""
 
@@ -102,21 +132,11 @@ class SessionQueue:
         self._client = client
         self._keys = keys
         self._scripts = scripts
+        self._runner = Runner(client, scripts=scripts)
 
     def enqueue(self, sessions: Sequence[Session], now: float | None = None) -> list[str]:
         """Add validated sessions; returns the ids that were new (repeats are no-ops)."""
-        now = time.time() if now is None else now
-        new: list[str] = []
-        for start in range(0, len(sessions), ENQUEUE_CHUNK):
-            chunk = sessions[start:start + ENQUEUE_CHUNK]
-            keys: list[str] = []
-            args: list[Any] = [repr(now)]
-            for s in chunk:
-                keys += [self._keys.session(s.session_id), self._keys.pending(s.workload)]
-                args += [s.session_id, s.workload, s.model_dump_json()]
-            flags = self._scripts.enqueue(keys=keys, args=args, client=self._client)
-            new += [s.session_id for s, f in zip(chunk, flags) if int(f) == 1]
-        return new
+        return self._runner.run(enqueue(self._keys, sessions, now))
 
     def ensure_broker_groups(self, workloads: Iterable[str]) -> None:
         """Create group "broker" on each pending/requeue stream (id 0: sees earlier entries)."""
@@ -126,16 +146,7 @@ class SessionQueue:
 
     def dead_letter(self, stream: str, entry_id: str, fields: Mapping, reason: str,
                     group: str = BROKER_GROUP) -> None:
-        """Move an unreadable entry of `stream` (read by consumer group `group`) to the
-        dead-letter stream with its reason, and mark its session `dead_lettered` if this was
-        its queue entry (lua/dead_letter.lua)."""
-        sid = as_text(fields.get(b"sid", fields.get("sid", b"")))
-        session_key = (self._keys.session(sid) if SESSION_ID_RE.match(sid)
-                       else self._keys.dead_letter)
-        args: list = [entry_id, group, reason, repr(time.time())]
-        for k, v in fields.items():
-            args += [as_text(k), v]
-        self._scripts.dead_letter(keys=[stream, self._keys.dead_letter, session_key], args=args)
+        self._runner.run(dead_letter(self._keys, stream, entry_id, fields, reason, group))
 
     def state(self, session_id: str) -> str | None:
         v = self._client.hget(self._keys.session(session_id), "state")

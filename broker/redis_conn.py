@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import redis
+import redis.asyncio as aioredis
 from redis.connection import parse_url
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import (
@@ -33,6 +34,7 @@ from redis.exceptions import (
     ReadOnlyError,
     TryAgainError,
 )
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.retry import Retry
 
 T = TypeVar("T")
@@ -66,14 +68,23 @@ def check_redis_url(url: str, field: str = "redis_url") -> None:
         raise ValueError(f"{field}: {url!r}: {exc} (e.g. redis://127.0.0.1:6379/0)") from None
 
 
-def connect(url: str, **kwargs) -> redis.Redis:
-    """A client for `url` that retries connection errors and timeouts a few times itself."""
-    opts = dict(retry=Retry(backoff(), CONNECTION_RETRIES),
-                retry_on_error=[BusyLoadingError], socket_timeout=SOCKET_TIMEOUT_S,
+def _options(retry: Retry | AsyncRetry, kwargs: dict) -> dict:
+    opts = dict(retry=retry, retry_on_error=[BusyLoadingError], socket_timeout=SOCKET_TIMEOUT_S,
                 socket_connect_timeout=CONNECT_TIMEOUT_S, socket_keepalive=True,
                 health_check_interval=30)
     opts.update(kwargs)
-    return redis.Redis.from_url(url, **opts)
+    return opts
+
+
+def connect(url: str, **kwargs) -> redis.Redis:
+    """A client for `url` that retries connection errors and timeouts a few times itself."""
+    return redis.Redis.from_url(url, **_options(Retry(backoff(), CONNECTION_RETRIES), kwargs))
+
+
+def connect_async(url: str, **kwargs) -> aioredis.Redis:
+    """`connect`'s client for asyncio (it connects on first use)."""
+    return aioredis.Redis.from_url(url, **_options(AsyncRetry(backoff(), CONNECTION_RETRIES),
+                                                   kwargs))
 
 
 def is_outage(exc: BaseException) -> bool:

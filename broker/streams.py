@@ -7,6 +7,9 @@ from collections.abc import Sequence
 
 import redis
 
+from broker import plans
+from broker.plans import Runner
+
 
 def as_text(reply: object) -> str:
     """Replies arrive as bytes unless the client decodes; compare and store them as str."""
@@ -15,11 +18,7 @@ def as_text(reply: object) -> str:
 
 def ensure_group(client: redis.Redis, stream: str, group: str, start_id: str = "0") -> None:
     """Create consumer group `group` on `stream` (and the stream); one that exists is kept."""
-    try:
-        client.xgroup_create(stream, group, id=start_id, mkstream=True)
-    except redis.ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
+    Runner(client).run(plans.ensure_group(stream, group, start_id))
 
 
 class BacklogCursor:

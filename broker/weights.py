@@ -14,6 +14,8 @@ default) or runs on the current weights (`on_stale="refresh"`); a result whose o
 are more than k versions old when the trainer reads it is delivered with `stale=True`, never
 as fresh.
 
+The calls are plans (broker/plans.py): both clients run them.
+
 State lives in the namespace's `weights` hash and `control` stream (written together by
 `lua/weights.lua`); acknowledgements in `paused_acks` (backend -> pause epoch).
 """
@@ -24,10 +26,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import redis
-
 from broker.keys import Keys
-from broker.scripts import Scripts
+from broker.plans import Cmd, Plan, Sleep, batch, cmd, script
 from broker.streams import as_text
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -80,51 +80,49 @@ def check_staleness(max_staleness: int | None) -> int | None:
     return max_staleness
 
 
-def order_staleness(client: redis.Redis, scripts: Scripts, keys: Keys,
-                    max_staleness: int | None) -> None:
+def order_staleness(keys: Keys, max_staleness: int | None) -> Plan[None]:
     check_staleness(max_staleness)
-    scripts.weights(keys=[keys.weights, keys.control, keys.events],
-                    args=["staleness", "" if max_staleness is None else max_staleness],
-                    client=client)
+    yield script("weights", [keys.weights, keys.control, keys.events],
+                 ["staleness", "" if max_staleness is None else max_staleness])
 
 
-def read_state(client: redis.Redis, keys: Keys) -> WeightsState:
-    return WeightsState.from_hash(client.hgetall(keys.weights))
+def read_state(keys: Keys) -> Plan[WeightsState]:
+    return WeightsState.from_hash((yield cmd("hgetall", keys.weights)))
 
 
-def order_pause(client: redis.Redis, scripts: Scripts, keys: Keys, mode: str) -> int:
+def order_pause(keys: Keys, mode: str) -> Plan[int]:
     """Record the pause and tell the workers; returns its epoch (the one in force if already
     paused)."""
-    return int(scripts.weights(keys=[keys.weights, keys.control, keys.events],
-                               args=["pause", check_mode(mode)], client=client))
+    check_mode(mode)
+    return int((yield script("weights", [keys.weights, keys.control, keys.events],
+                             ["pause", mode])))
 
 
-def order_resume(client: redis.Redis, scripts: Scripts, keys: Keys, version: int) -> int:
-    return int(scripts.weights(keys=[keys.weights, keys.control, keys.events],
-                               args=["resume", check_version(version)], client=client))
+def order_resume(keys: Keys, version: int) -> Plan[int]:
+    check_version(version)
+    return int((yield script("weights", [keys.weights, keys.control, keys.events],
+                             ["resume", version])))
 
 
-def live_backends(client: redis.Redis, keys: Keys) -> list[str]:
+def live_backends(keys: Keys) -> Plan[list[str]]:
     """Backends whose worker beats now (its heartbeat key has not expired)."""
-    ids = sorted(as_text(b) for b in client.smembers(keys.backends))
-    pipe = client.pipeline(transaction=False)
-    for b in ids:
-        pipe.exists(keys.heartbeat(b))
-    return [b for b, alive in zip(ids, pipe.execute()) if alive]
+    ids = sorted(as_text(b) for b in (yield cmd("smembers", keys.backends)))
+    alive = yield batch([Cmd("exists", (keys.heartbeat(b),)) for b in ids])
+    return [b for b, up in zip(ids, alive) if up]
 
 
-def wait_paused(client: redis.Redis, keys: Keys, epoch: int, timeout_s: float,
-                poll_s: float = 0.005) -> list[str]:
+def wait_paused(keys: Keys, epoch: int, timeout_s: float,
+                poll_s: float = 0.005) -> Plan[list[str]]:
     """Until every live worker has acknowledged `epoch` (its engine is paused); returns those
     backends. Raises TimeoutError naming the ones that did not."""
     deadline = time.monotonic() + timeout_s
     while True:
-        live = live_backends(client, keys)
-        acks = {as_text(b): int(v) for b, v in client.hgetall(keys.paused_acks).items()}
+        live = yield from live_backends(keys)
+        acks = {as_text(b): int(v) for b, v in (yield cmd("hgetall", keys.paused_acks)).items()}
         missing = [b for b in live if acks.get(b, 0) < epoch]
         if not missing:
             return live
         if time.monotonic() >= deadline:
             raise TimeoutError(f"pause: engines of {', '.join(missing)} not paused after "
                                f"{timeout_s:g}s")
-        time.sleep(poll_s)
+        yield Sleep(poll_s)

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S, EngineMetrics, HeartbeatRecord, SessionProgress
 from broker.keys import WORKERS_GROUP, Keys, check_backend_id
 from broker.ledger import Ledger
+from broker.plans import Runner
 from broker.redis_conn import connect
 from broker.scripts import Scripts
 from broker.session import Session, SessionResult, SessionState
@@ -67,6 +68,7 @@ class WorkerLink:
         self.keys = Keys(namespace)
         self._client = connect(redis_url)
         self._scripts = Scripts(self._client)
+        self._runner = Runner(self._client, scripts=self._scripts)
         self._ledger = Ledger(self._client, self.keys)
         self.heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
         self._cursor = BacklogCursor()  # entries delivered before a restart come first
@@ -109,7 +111,7 @@ class WorkerLink:
 
     # -- weight updates (broker/weights.py) ------------------------------------------------------
     def weights_state(self) -> WeightsState:
-        return read_state(self._client, self.keys)
+        return self._runner.run(read_state(self.keys))
 
     def read_control(self, after: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:
         """Pause and resume orders after entry `after`, waiting up to `block_ms` for one."""

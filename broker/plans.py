@@ -1,0 +1,244 @@
+"""Redis work written once, run by a blocking client or by an asyncio one.
+
+A *plan* is a generator that yields the Redis work it needs and receives the replies:
+
+    def read_mixture(keys):
+        fields = yield cmd("hgetall", keys.mixture)
+        return {as_text(k): float(v) for k, v in fields.items()}
+
+It does no I/O itself, so the same plan serves `RolloutClient` (through `Runner`, on a
+`redis.Redis`) and `AsyncRolloutClient` (through `AsyncRunner`, on a `redis.asyncio.Redis`)
+and every rule it holds (validation, delivery buffer, acknowledgements) exists once. Steps:
+
+- `Batch`: commands and Lua scripts sent in one round trip (a pipeline; `transaction=True`
+  makes it MULTI/EXEC); the plan receives the list of replies. `cmd(...)` and
+  `script(...)` are one-step batches whose reply is the command's own.
+- `Sleep`: wait without holding the connection.
+- `Guard`: run another plan, waiting out a Redis outage (broker/redis_conn.py) until a
+  deadline; after it, either raise the last error (`quiet=False`) or hand back None.
+
+An error a step raises is thrown into the plan at its `yield`, so a plan can catch it (e.g.
+BUSYGROUP when a consumer group already exists).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import redis
+import redis.asyncio as aioredis
+
+from broker.redis_conn import Outage, is_outage
+from broker.scripts import SCRIPT_NAMES, Scripts, script_source
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Cmd:
+    """One Redis command: the redis-py method `name` called with `args` and `kwargs`."""
+
+    name: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptCall:
+    """One of broker/lua/'s scripts (EVALSHA, loading it on NOSCRIPT)."""
+
+    name: str
+    keys: list
+    args: list
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    calls: tuple[Cmd | ScriptCall, ...]
+    transaction: bool = False
+    single: bool = False  # the plan wants the one call's reply, not a list
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Guard:
+    """`plan(*args)`, tried again after each outage error until the monotonic `deadline`."""
+
+    plan: Callable[..., Generator]
+    args: tuple
+    deadline: float
+    quiet: bool = False  # past the deadline: None instead of the error
+
+
+Step = Batch | Sleep | Guard
+Plan = Generator[Step, Any, T]
+
+
+def cmd(name: str, *args: Any, **kwargs: Any) -> Batch:
+    return Batch((Cmd(name, args, kwargs),), single=True)
+
+
+def script(name: str, keys: list, args: list) -> Batch:
+    return Batch((ScriptCall(name, keys, args),), single=True)
+
+
+def batch(calls: list[Cmd | ScriptCall], transaction: bool = False) -> Batch:
+    return Batch(tuple(calls), transaction=transaction)
+
+
+def ensure_group(stream: str, group: str, start_id: str = "0") -> Plan[None]:
+    """Create consumer group `group` on `stream` (and the stream); one that exists is kept."""
+    try:
+        yield cmd("xgroup_create", stream, group, id=start_id, mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+class Runner:
+    """Runs plans on a blocking client; `outage` paces the waits of `Guard` steps."""
+
+    def __init__(self, client: redis.Redis, outage: Outage | None = None,
+                 scripts: Scripts | None = None) -> None:
+        self.client = client
+        self.outage = outage  # needed by plans with `Guard` steps
+        self._scripts = scripts
+
+    @property
+    def scripts(self) -> Scripts:
+        if self._scripts is None:
+            self._scripts = Scripts(self.client)
+        return self._scripts
+
+    def run(self, plan: Plan[T]) -> T:
+        reply: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = plan.throw(error) if error is not None else plan.send(reply)
+            except StopIteration as done:
+                return done.value
+            reply, error = None, None
+            try:
+                reply = self._step(step)
+            except Exception as exc:  # handed to the plan, which may catch it
+                error = exc
+
+    def _step(self, step: Step) -> Any:
+        if isinstance(step, Batch):
+            if step.single and not step.transaction:
+                return self._call(self.client, step.calls[0])
+            pipe = self.client.pipeline(transaction=step.transaction)
+            for c in step.calls:
+                self._call(pipe, c)
+            replies = pipe.execute()
+            return replies[0] if step.single else replies
+        if isinstance(step, Sleep):
+            time.sleep(step.seconds)
+            return None
+        if isinstance(step, Guard):
+            if self.outage is None:
+                raise TypeError("plan step: a Guard needs a Runner made with an Outage")
+            try:
+                return self.outage.call(lambda: self.run(step.plan(*step.args)),
+                                        deadline=step.deadline)
+            except Exception as exc:
+                if step.quiet and is_outage(exc):
+                    return None
+                raise
+        raise TypeError(f"plan step: {step!r} is not a Batch, Sleep or Guard")
+
+    def _call(self, target: Any, c: Cmd | ScriptCall) -> Any:
+        if isinstance(c, ScriptCall):
+            return getattr(self.scripts, c.name)(keys=c.keys, args=c.args, client=target)
+        return getattr(target, c.name)(*c.args, **c.kwargs)
+
+
+class AsyncScripts:
+    """broker/lua/'s scripts registered on an asyncio client (as `Scripts` on a blocking one)."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        for name in SCRIPT_NAMES:
+            setattr(self, name, client.register_script(script_source(name)))
+
+
+class AsyncRunner:
+    """Runs plans on a `redis.asyncio` client: a plan waiting on Redis (a blocking read, a
+    backoff) holds no thread and no lock, so other calls run meanwhile."""
+
+    def __init__(self, client: aioredis.Redis, outage: Outage) -> None:
+        self.client = client
+        self.outage = outage
+        self.scripts = AsyncScripts(client)
+
+    async def run(self, plan: Plan[T]) -> T:
+        reply: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = plan.throw(error) if error is not None else plan.send(reply)
+            except StopIteration as done:
+                return done.value
+            reply, error = None, None
+            try:
+                reply = await self._step(step)
+            except Exception as exc:
+                error = exc
+
+    async def _step(self, step: Step) -> Any:
+        if isinstance(step, Batch):
+            if step.single and not step.transaction:
+                return await self._call(self.client, step.calls[0])
+            pipe = self.client.pipeline(transaction=step.transaction)
+            for c in step.calls:
+                await self._queue(pipe, c)
+            replies = await pipe.execute()
+            return replies[0] if step.single else replies
+        if isinstance(step, Sleep):
+            await asyncio.sleep(step.seconds)
+            return None
+        if isinstance(step, Guard):
+            try:
+                return await self._guarded(step)
+            except Exception as exc:
+                if step.quiet and is_outage(exc):
+                    return None
+                raise
+        raise TypeError(f"plan step: {step!r} is not a Batch, Sleep or Guard")
+
+    async def _guarded(self, step: Guard) -> Any:
+        """`Outage.call`'s loop, waiting with asyncio."""
+        while True:
+            try:
+                out = await self.run(step.plan(*step.args))
+            except Exception as exc:
+                if not is_outage(exc):
+                    raise
+                wait = self.outage.failed(exc)
+                if time.monotonic() + wait > step.deadline:
+                    raise
+                await asyncio.sleep(wait)
+                continue
+            self.outage.ok()
+            return out
+
+    async def _call(self, target: aioredis.Redis, c: Cmd | ScriptCall) -> Any:
+        if isinstance(c, ScriptCall):
+            return await getattr(self.scripts, c.name)(keys=c.keys, args=c.args, client=target)
+        return await getattr(target, c.name)(*c.args, **c.kwargs)
+
+    async def _queue(self, pipe: Any, c: Cmd | ScriptCall) -> None:
+        """Add a call to an asyncio pipeline (queuing returns the pipeline; scripts queue
+        through a coroutine that loads them first)."""
+        if isinstance(c, ScriptCall):
+            await getattr(self.scripts, c.name)(keys=c.keys, args=c.args, client=pipe)
+        else:
+            getattr(pipe, c.name)(*c.args, **c.kwargs)
