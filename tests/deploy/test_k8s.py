@@ -1,0 +1,509 @@
+"""Kubernetes manifests (deploy/k8s): what each overlay renders is valid against the Kubernetes
+schemas, and runs the CLI the way the code expects (commands, options, settings, grace periods).
+
+The overlays use only `resources` and `components`, which `render()` below reproduces in Python,
+so the schema validation and every invariant run without kubectl; where kubectl is installed,
+`kubectl kustomize` must render exactly the same objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+from unittest import mock
+from urllib.parse import urlparse
+
+import click
+import kubernetes_validate
+import pytest
+import typer.main
+import yaml
+from kubernetes_validate.utils import latest_version
+
+from broker.cli import app
+from broker.keys import Keys, check_backend_id
+from broker.policies import live_policy_names
+from broker.redis_conn import check_redis_url
+from sim.engine.profiles import get_profile
+from workers.engine import ChildEngine, EngineSpec
+from workers.worker import Worker, WorkerSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = ("overlays/gpu", "overlays/cpu")
+TARGETS = ("base", *OVERLAYS)
+# The oldest Kubernetes the manifests target, and the newest whose schemas the package ships.
+SCHEMA_VERSIONS = ("1.30.0", latest_version())
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+# The one container allowed a writable root filesystem (vLLM and its compilers write caches
+# under $HOME and /tmp); worker-gpu.yaml says so beside the setting.
+WRITABLE_ROOT = {("StatefulSet", "worker-gpu", "worker")}
+CLI = typer.main.get_command(app)
+
+
+# -- rendering ------------------------------------------------------------------------------------
+
+def _load_docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d is not None]
+
+
+def render(directory: Path, kind: str = "Kustomization") -> list[dict]:
+    """What `kubectl kustomize DIRECTORY` prints, for kustomizations that use only `resources`
+    (files or directories) and `components`. Anything else fails: teach it here first."""
+    kfile = directory / "kustomization.yaml"
+    k = yaml.safe_load(kfile.read_text(encoding="utf-8"))
+    assert k.get("kind", "Kustomization") == kind, f"{kfile}: expected a {kind}"
+    unknown = set(k) - {"apiVersion", "kind", "resources", "components"}
+    assert not unknown, f"{kfile}: render() in this test knows resources and components only, " \
+                        f"not {sorted(unknown)}"
+    objects: list[dict] = []
+    for entry in k.get("resources", []):
+        path = (directory / entry).resolve()
+        objects += render(path) if path.is_dir() else _load_docs(path)
+    for entry in k.get("components", []):
+        objects += render((directory / entry).resolve(), kind="Component")
+    ids = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert len(ids) == len(set(ids)), f"{directory}: an object appears twice: {sorted(ids)}"
+    return objects
+
+
+@cache
+def rendered(target: str) -> tuple[dict, ...]:
+    return tuple(render(K8S / target))
+
+
+def by_id(objects) -> dict[tuple[str, str], dict]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def workloads(target: str) -> list[dict]:
+    return [o for o in rendered(target) if o["kind"] in WORKLOAD_KINDS]
+
+
+def containers(workload: dict) -> list[dict]:
+    spec = workload["spec"]["template"]["spec"]
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def ours(container: dict) -> bool:
+    """A rollout-broker image (its entrypoint is `rollout-broker`, so args are the command line)."""
+    return container["image"].split(":")[0].rsplit("/", 1)[-1].startswith("rollout-broker")
+
+
+def engine_workers(target: str) -> list[tuple[dict, dict]]:
+    return [(w, c) for w in workloads(target) for c in containers(w)
+            if ours(c) and c["args"][0] == "worker"]
+
+
+def config_maps(target: str) -> dict[str, dict[str, str]]:
+    return {o["metadata"]["name"]: o.get("data", {}) for o in rendered(target)
+            if o["kind"] == "ConfigMap"}
+
+
+def pod_name(workload: dict, ordinal: int = 0) -> str:
+    name = workload["metadata"]["name"]
+    return f"{name}-{ordinal}" if workload["kind"] == "StatefulSet" else f"{name}-5d8f7c9b4-x2x7q"
+
+
+_K8S_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def container_env(target: str, workload: dict, container: dict, ordinal: int = 0) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: envFrom, then env in order with
+    $(VAR) expanded from what is defined before. Secrets (not in the manifests) are stand-ins."""
+    maps = config_maps(target)
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        ref = source["configMapRef"]
+        assert ref["name"] in maps, f"envFrom: no ConfigMap {ref['name']!r} in {target}"
+        env.update(maps[ref["name"]])
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = _K8S_REF.sub(lambda m: env.get(m[1], m[0]), var["value"])
+            assert "$(" not in env[var["name"]], f"{var['name']}: an undefined $(VAR) in {var}"
+            continue
+        source = var["valueFrom"]
+        if "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            assert ref["key"] in maps.get(ref["name"], {}), f"{var['name']}: no {ref} in {target}"
+            env[var["name"]] = maps[ref["name"]][ref["key"]]
+        elif "fieldRef" in source:
+            assert source["fieldRef"]["fieldPath"] == "metadata.name", source
+            env[var["name"]] = pod_name(workload, ordinal)
+        elif "secretKeyRef" in source:
+            env[var["name"]] = f"secret-{source['secretKeyRef']['name']}"
+        else:
+            raise AssertionError(f"{var['name']}: a source this test does not know: {source}")
+    return env
+
+
+def cli_lines(container: dict) -> list[list[str]]:
+    """Every `rollout-broker ...` command line the container runs: its args (the image's
+    entrypoint is rollout-broker) and its exec probes, `sh -c "exec rollout-broker ..."` too."""
+    lines = [list(container["args"])] if ours(container) else []
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = container.get(kind, {}).get("exec", {}).get("command")
+        if not command:
+            continue
+        if command[:2] == ["sh", "-c"]:
+            command = shlex.split(command[2])
+            command = command[1:] if command[0] == "exec" else command
+        if command[0] == "rollout-broker":
+            lines.append(command[1:])
+    return lines
+
+
+def _shell_expand(arg: str, env: dict[str, str]) -> str:
+    def var(m: re.Match) -> str:
+        name = m[1] or m[2]
+        assert name in env, f"{arg}: ${name} is not set in the container"
+        return env[name]
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", var, arg)
+
+
+def parse_cli(line: list[str], env: dict[str, str]) -> tuple[str, dict]:
+    """Parse one command line with the CLI's own click command and this environment (the RB_
+    variables are its options' defaults): (subcommand, the values it would run with)."""
+    sub, *rest = [_shell_expand(a, env) for a in line]
+    assert sub in CLI.commands, f"{line}: {sub!r} is not a rollout-broker command {sorted(CLI.commands)}"
+    command = CLI.commands[sub]
+    accepted = {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+    for arg in rest:
+        if arg.startswith("--"):
+            assert arg.split("=")[0] in accepted, f"{line}: `rollout-broker {sub}` takes no {arg}"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RB_")}
+    with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
+        try:
+            ctx = command.make_context(f"rollout-broker {sub}", list(rest))
+        except click.ClickException as exc:
+            raise AssertionError(f"{line}: {exc.format_message()}") from None
+    return sub, ctx.params
+
+
+def cli_default(sub: str, name: str):
+    return next(p.default for p in CLI.commands[sub].params if p.name == name)
+
+
+# -- the manifests render and are valid -----------------------------------------------------------
+
+def test_overlays_use_the_bundled_redis_and_their_workers():
+    for target in OVERLAYS:
+        ids = set(by_id(rendered(target)))
+        assert {("StatefulSet", "redis"), ("Service", "redis"), ("Deployment", "broker"),
+                ("Deployment", "api"), ("Deployment", "tools")} <= ids, target
+    assert ("StatefulSet", "worker-gpu") in by_id(rendered("overlays/gpu"))
+    assert ("StatefulSet", "worker-sim") in by_id(rendered("overlays/cpu"))
+
+
+@pytest.mark.parametrize("version", SCHEMA_VERSIONS)
+def test_every_object_is_valid_against_the_kubernetes_schema(version):
+    """Strict: an unknown or misspelt field fails too. Every YAML document under deploy/k8s (the
+    Secret example included), and every object as each target renders it."""
+    documents = [(str(p.relative_to(K8S)), d) for p in sorted(K8S.rglob("*.yaml"))
+                 if p.name != "kustomization.yaml" for d in _load_docs(p)]
+    documents += [(target, o) for target in TARGETS for o in rendered(target)]
+    assert len(documents) > 20
+    for where, obj in documents:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            raise AssertionError(f"{where}: {obj['kind']} {obj['metadata']['name']}: "
+                                 f"{exc.message}") from None
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None,
+                    reason="kubectl is not installed: `kubectl kustomize` cannot render the overlays "
+                           "(the Python rendering above is validated all the same)")
+@pytest.mark.parametrize("target", TARGETS)
+def test_kubectl_kustomize_renders_what_the_test_validates(target):
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / target)], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert by_id(_docs(out.stdout)) == by_id(rendered(target))
+
+
+def _docs(text: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(text) if d is not None]
+
+
+def test_the_secret_example_is_not_deployed():
+    """The API token comes from a Secret the operator creates; the shipped one is a placeholder
+    no kustomization includes, and no rendering carries a Secret."""
+    example = _load_docs(K8S / "api-token-secret.example.yaml")[0]
+    assert example["kind"] == "Secret"
+    assert example["stringData"]["token"].startswith("REPLACE-ME")
+    for target in TARGETS:
+        assert not [o for o in rendered(target) if o["kind"] == "Secret"], target
+    for kfile in K8S.rglob("kustomization.yaml"):
+        assert "example" not in kfile.read_text(encoding="utf-8"), kfile
+
+
+# -- every workload -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_container_has_readiness_and_liveness_probes(target):
+    for w in workloads(target):
+        for c in containers(w):
+            for probe in ("readinessProbe", "livenessProbe"):
+                assert probe in c, f"{w['metadata']['name']}/{c['name']}: no {probe}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_container_requests_resources_and_limits_its_memory(target):
+    for w in workloads(target):
+        for c in containers(w):
+            where = f"{w['metadata']['name']}/{c['name']}"
+            requests = c.get("resources", {}).get("requests", {})
+            limits = c.get("resources", {}).get("limits", {})
+            assert {"cpu", "memory"} <= set(requests), f"{where}: requests {requests}"
+            assert "memory" in limits, f"{where}: no memory limit"
+            assert _bytes(limits["memory"]) >= _bytes(requests["memory"]), where
+
+
+def _bytes(quantity: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    for suffix, factor in units.items():
+        if quantity.endswith(suffix):
+            return int(quantity[:-2]) * factor
+    return int(quantity)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_container_runs_unprivileged(target):
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text(encoding="utf-8")
+    image_uid = int(re.search(r"useradd --uid (\d+)", dockerfile)[1])
+    for w in workloads(target):
+        pod = w["spec"]["template"]["spec"]
+        pod_sc = pod.get("securityContext", {})
+        assert pod.get("enableServiceLinks") is False, \
+            f"{w['metadata']['name']}: Service links would add variables such as RB_API_PORT"
+        for c in containers(w):
+            where = (w["kind"], w["metadata"]["name"], c["name"])
+            sc = c.get("securityContext", {})
+            assert sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True, where
+            uid = sc.get("runAsUser", pod_sc.get("runAsUser"))
+            # The images name their user (USER rb): the kubelet needs the number to check it.
+            assert isinstance(uid, int) and uid > 0, where
+            if ours(c):
+                assert uid == image_uid, f"{where}: the images' user is uid {image_uid}"
+            assert sc.get("allowPrivilegeEscalation") is False, where
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], where
+            assert (sc.get("readOnlyRootFilesystem") is True) == (where not in WRITABLE_ROOT), \
+                f"{where}: readOnlyRootFilesystem (allowed off only for {WRITABLE_ROOT})"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_selectors_services_and_ports_fit_together(target):
+    objects = by_id(rendered(target))
+    pods = [w["spec"]["template"] for w in workloads(target)]
+    for w in workloads(target):
+        selector = w["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= w["spec"]["template"]["metadata"]["labels"].items(), w["metadata"]
+        others = [o for o in workloads(target) if o is not w]
+        assert not [o for o in others
+                    if selector.items() <= o["spec"]["template"]["metadata"]["labels"].items()], \
+            f"{w['metadata']['name']}: its selector also matches another workload's pods"
+        if w["kind"] == "StatefulSet":
+            governing = objects.get(("Service", w["spec"]["serviceName"]))
+            assert governing and governing["spec"].get("clusterIP") == "None", w["metadata"]
+    for (kind, name), svc in objects.items():
+        if kind != "Service":
+            continue
+        matched = [p for p in pods if svc["spec"]["selector"].items() <= p["metadata"]["labels"].items()]
+        assert matched, f"Service {name}: selects no pod"
+        for port in svc["spec"]["ports"]:
+            for p in matched:
+                named = {cp.get("name") for c in p["spec"]["containers"] for cp in c.get("ports", [])}
+                assert port["targetPort"] in named, f"Service {name}: no port {port['targetPort']}"
+
+
+# -- the CLI: every command, option and setting ---------------------------------------------------
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_command_line_is_one_the_cli_accepts(target):
+    """Each container's args and each exec probe name a real subcommand and only options it
+    takes, and parse with the container's environment (RB_ settings, $(VAR) expanded)."""
+    for path in ("docker/Dockerfile", "docker/Dockerfile.gpu"):
+        assert 'ENTRYPOINT ["rollout-broker"]' in (ROOT / path).read_text(encoding="utf-8"), path
+    seen = set()
+    for w in workloads(target):
+        for c in containers(w):
+            if ours(c):
+                assert "command" not in c, f"{w['metadata']['name']}: keep the image's entrypoint"
+            env = container_env(target, w, c)
+            for line in cli_lines(c):
+                sub, params = parse_cli(line, env)
+                seen.add(sub)
+                if "redis_url" in params:
+                    check_redis_url(params["redis_url"])
+                if "namespace" in params:
+                    Keys(params["namespace"])  # raises unless Redis keys accept the namespace
+                if sub == "broker":
+                    assert params["policy"] in live_policy_names(), params["policy"]
+                if sub == "probe":
+                    assert params["role"] in ("broker", "worker", "tools"), line
+    assert {"broker", "api", "tools", "probe"} <= seen, seen
+
+
+def test_broker_runs_two_replicas_active_and_standby():
+    for target in TARGETS:
+        broker = by_id(rendered(target))[("Deployment", "broker")]
+        assert broker["spec"]["replicas"] == 2
+        (c,) = containers(broker)
+        assert c["args"][0] == "broker"
+        assert ["broker"] in [line[:2][1:] for line in cli_lines(c) if line[0] == "probe"]
+        pdb = by_id(rendered(target))[("PodDisruptionBudget", "broker")]
+        assert pdb["spec"]["minAvailable"] == 1
+
+
+def test_api_probes_and_token():
+    for target in TARGETS:
+        objects = by_id(rendered(target))
+        api = objects[("Deployment", "api")]
+        (c,) = containers(api)
+        sub, params = parse_cli(c["args"], container_env(target, api, c))
+        assert sub == "api" and params["host"] == "0.0.0.0"
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports[c["readinessProbe"]["httpGet"]["port"]] == params["port"] == 8080
+        assert ports[c["livenessProbe"]["httpGet"]["port"]] == params["port"]
+        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        token = [e for e in c.get("env", []) if e["name"] == "RB_API_TOKEN"]
+        assert len(token) == 1 and "value" not in token[0], "RB_API_TOKEN must come from a Secret"
+        ref = token[0]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] and ref["key"] and not ref.get("optional", False)
+        for name, data in config_maps(target).items():
+            assert "RB_API_TOKEN" not in data, f"ConfigMap {name} carries the token"
+        svc = objects[("Service", "rollout-broker-api")]
+        assert [p["port"] for p in svc["spec"]["ports"]] == [8080]
+
+
+# -- engine workers -------------------------------------------------------------------------------
+
+def _shutdown_budget_s(params: dict) -> float:
+    """The longest a worker takes to stop after SIGTERM, from the code's own numbers: the drain
+    grace (--drain-grace, default in the CLI), the hand-back time after it, the withdraw deadline
+    (Worker.run) and the engine child's stop grace."""
+    handoff = next(f.default for f in dataclasses.fields(WorkerSettings) if f.name == "handoff_s")
+    withdraw = re.search(r"_withdraw\(deadline_s=([\d.]+)\)", inspect.getsource(Worker.run))
+    assert withdraw, "Worker.run no longer calls _withdraw(deadline_s=...): update this test"
+    engine_stop = inspect.signature(ChildEngine.stop).parameters["grace_s"].default
+    return params["drain_grace"] + handoff + float(withdraw[1]) + engine_stop
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_worker_pods_outlast_the_drain(target):
+    assert cli_default("worker", "drain_grace") == WorkerSettings.__dataclass_fields__[
+        "drain_grace_s"].default
+    for w, c in engine_workers(target):
+        _, params = parse_cli(c["args"], container_env(target, w, c))
+        grace = w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace > params["drain_grace"], f"{w['metadata']['name']}: {grace} s"
+        assert grace > _shutdown_budget_s(params), \
+            f"{w['metadata']['name']}: {grace} s < {_shutdown_budget_s(params)} s to drain and stop"
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_worker_startup_probe_waits_out_the_engine_start(target):
+    """A worker beats only once its engine answers, which it waits for up to --ready-timeout:
+    the startup probe must not restart the pod before."""
+    for w, c in engine_workers(target):
+        _, params = parse_cli(c["args"], container_env(target, w, c))
+        s = c["startupProbe"]
+        window = s.get("initialDelaySeconds", 0) + s["periodSeconds"] * s["failureThreshold"]
+        assert window > params["ready_timeout"], f"{w['metadata']['name']}: {window} s"
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_workers_are_statefulsets_with_stable_backend_ids_their_probes_use(target):
+    workers = engine_workers(target)
+    assert len(workers) == 1, target
+    for w, c in workers:
+        assert w["kind"] == "StatefulSet"
+        ids = set()
+        for ordinal in (0, 1, 99):
+            env = container_env(target, w, c, ordinal)
+            _, params = parse_cli(c["args"], env)
+            ids.add(check_backend_id(params["backend_id"]))
+            assert pod_name(w, ordinal) in params["backend_id"]
+            probes = [parse_cli(line, env)[1] for line in cli_lines(c)[1:]]
+            assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(c)
+            assert len(probes) == 3 and all(p["role"] == "worker" for p in probes)
+            assert {p["backend_id"] for p in probes} == {params["backend_id"]}
+            assert params["tools"] == "rq"
+        assert len(ids) == 3
+
+
+def test_gpu_worker_one_gpu_per_pod_with_vllm_from_the_config_map():
+    (w, c), = engine_workers("overlays/gpu")
+    assert w["metadata"]["name"] == "worker-gpu"
+    assert c["image"].startswith("rollout-broker-gpu:")
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["resources"].get("requests", {}).get("nvidia.com/gpu", 1) == 1
+    env = container_env("overlays/gpu", w, c)
+    _, params = parse_cli(c["args"], env)
+    spec = EngineSpec.parse(params["engine"])
+    vllm = config_maps("overlays/gpu")["rollout-broker-vllm"]
+    assert spec.kind == "vllm" and spec.target == vllm["RB_MODEL"]
+    assert spec.args == tuple(shlex.split(vllm["RB_VLLM_ARGS"]))
+    # The model cache where the GPU image puts it (HF_HOME), on a volume per pod.
+    hf_home = re.search(r"ENV HF_HOME=(\S+)", (ROOT / "docker" / "Dockerfile.gpu").read_text())[1]
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert mounts[hf_home] in {t["metadata"]["name"] for t in w["spec"]["volumeClaimTemplates"]}
+    assert "/dev/shm" in mounts
+    for other in workloads("overlays/gpu"):
+        for o in containers(other):
+            if o is not c:
+                assert "nvidia.com/gpu" not in str(o["resources"]), other["metadata"]["name"]
+
+
+def test_cpu_workers_run_simulated_engines_without_gpus():
+    (w, c), = engine_workers("overlays/cpu")
+    assert w["metadata"]["name"] == "worker-sim" and w["spec"]["replicas"] >= 2
+    _, params = parse_cli(c["args"], container_env("overlays/cpu", w, c))
+    spec = EngineSpec.parse(params["engine"])
+    assert spec.kind == "sim"
+    get_profile(spec.target)
+    assert "nvidia.com/gpu" not in yaml.safe_dump(list(rendered("overlays/cpu")))
+
+
+# -- Redis: bundled by a component, or external by RB_REDIS_URL ----------------------------------
+
+def test_bundled_redis_is_durable_and_is_what_rb_redis_url_names():
+    for target in OVERLAYS:
+        objects = by_id(rendered(target))
+        redis = objects[("StatefulSet", "redis")]
+        (c,) = containers(redis)
+        assert c["image"] == "redis:7.2-alpine"
+        args = " ".join(c["args"])
+        assert "--appendonly yes" in args and "--appendfsync always" in args
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        assert mounts["/data"] in {t["metadata"]["name"] for t in redis["spec"]["volumeClaimTemplates"]}
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert c[probe]["exec"]["command"] == ["redis-cli", "ping"]
+        url = urlparse(config_maps(target)["rollout-broker"]["RB_REDIS_URL"])
+        svc = objects[("Service", url.hostname)]
+        assert svc["spec"]["clusterIP"] == "None" and svc["metadata"]["name"] == "redis"
+        assert url.port in [p["port"] for p in svc["spec"]["ports"]]
+
+
+def test_redis_is_external_without_the_component():
+    """The base has no Redis: only RB_REDIS_URL says where it is, and every rollout-broker
+    container reads it from the one ConfigMap."""
+    base = rendered("base")
+    assert not [o for o in base if "redis" in o["metadata"]["name"]]
+    assert "redis://" not in yaml.safe_dump([o for o in base if o["kind"] != "ConfigMap"])
+    for target in TARGETS:
+        for w in workloads(target):
+            for c in containers(w):
+                if ours(c):
+                    refs = [s["configMapRef"]["name"] for s in c.get("envFrom", [])]
+                    assert "rollout-broker" in refs, f"{w['metadata']['name']}/{c['name']}"
+                    assert "RB_REDIS_URL" not in {e["name"] for e in c.get("env", [])}
