@@ -20,6 +20,7 @@ class Sample:
     finished: Mapping[str, int]  # workload -> results published, ever
     consumed: Mapping[str, int]  # workload -> results acknowledged, ever
     tokens: Mapping[str, int] = field(default_factory=dict)  # workload -> output tokens, ever
+    latency: Mapping[str, int] = field(default_factory=dict)  # "<workload>:<bucket>" -> results
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,7 @@ class Delta:
     finished: dict[str, int]
     consumed: dict[str, int]
     tokens: dict[str, int]
+    latency: dict[str, int]
 
 
 def _diff(new: Mapping[str, int], old: Mapping[str, int]) -> dict[str, int]:
@@ -57,7 +59,8 @@ class CounterHistory:
             old = self._samples[i] if i < len(self._samples) else now
         return Delta(span_s=max(0.0, now.at - old.at), finished=_diff(now.finished, old.finished),
                      consumed=_diff(now.consumed, old.consumed),
-                     tokens=_diff(now.tokens, old.tokens))
+                     tokens=_diff(now.tokens, old.tokens),
+                     latency=_diff(now.latency, old.latency))
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,6 +93,17 @@ class WeightsPublic(BaseModel):
 
 
 # -- status --------------------------------------------------------------------------------------
+class LatencyStatus(BaseModel):
+    """Enqueue-to-result latency of the sessions finished in the last `window_s` seconds
+    (quantiles from √2-wide buckets, broker/latency.py)."""
+
+    window_s: float  # the span covered (shorter while the API has been up less than a window)
+    finished: int  # results counted
+    p50_s: float
+    p95_s: float
+    p99_s: float
+
+
 class WorkloadStatus(BaseModel):
     workload: str
     depth: int  # sessions waiting for admission: pending + requeued entries
@@ -101,6 +112,7 @@ class WorkloadStatus(BaseModel):
     finished_total: int  # results published (done or failed)
     failed_total: int  # of those, failed
     consumed_total: int  # results the trainer acknowledged
+    latency: LatencyStatus | None = None  # None: nothing finished in the window
 
 
 class BackendStatus(BaseModel):

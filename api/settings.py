@@ -26,7 +26,7 @@ class ApiSettings(BaseSettings):
     port: int = Field(default=8080, ge=0, le=65535)
     # Bearer token for the mutating endpoints; None leaves them open (loopback only).
     token: SecretStr | None = None
-    # The "last window" of consumed mixture and the throughput windows, in seconds.
+    # The "last window" of consumed mixture and session latency, and the throughput windows (s).
     mixture_window_s: float = Field(default=60.0, gt=0)
     throughput_windows_s: tuple[float, ...] = (60.0, 300.0)
     # A request body longer than this is refused with a 413 before it is parsed.

@@ -22,11 +22,13 @@ from api.history import ChartSample, ChartTrail, CounterHistory, Sample
 from api.models import (
     BackendStatus,
     BrokerStatus,
+    LatencyStatus,
     MixtureStatus,
     StatusPublic,
     ThroughputWindow,
     WorkloadStatus,
 )
+from broker import latency
 from broker.heartbeat import EngineMetrics
 from broker.keys import Keys
 from broker.ledger import parse_ledger
@@ -105,6 +107,14 @@ def _counter(fields: dict[str, str], prefix: str) -> dict[str, int]:
     return {f[len(prefix):]: int(v) for f, v in fields.items() if f.startswith(prefix)}
 
 
+def _latency(buckets: dict[int, int], span_s: float) -> LatencyStatus | None:
+    q = latency.quantiles(buckets, (0.5, 0.95, 0.99))
+    if q is None:
+        return None
+    return LatencyStatus(window_s=span_s, finished=sum(buckets.values()),
+                         p50_s=q[0], p95_s=q[1], p99_s=q[2])
+
+
 def _broker(lease: object) -> BrokerStatus:
     """Who holds the lease: a broker's token is "<policy>@<consumer>/<nonce>" (lease.py)."""
     token = lease if isinstance(lease, str) else ""
@@ -169,7 +179,9 @@ class StatusReader:
         finished = _counter(counters, "n:")
         failed = _counter(counters, "failed:")
         sample = Sample(at=now, finished=finished, consumed=consumed,
-                        tokens=_counter(counters, "tok:"))
+                        tokens=_counter(counters, "tok:"), latency=latency.parse_counters(counters))
+        win = self._history.delta(sample, self.mixture_window_s)
+        latency_buckets = latency.by_workload(win.latency)
 
         wl_status = []
         for w, (n_pend, n_req, first_pend, first_req) in zip(workloads, raw["workloads"] or []):
@@ -179,11 +191,11 @@ class StatusReader:
                 workload=w, depth=int(n_pend) + int(n_req), requeued=int(n_req),
                 oldest_pending_age_s=max(ages) if ages else None,
                 finished_total=finished.get(w, 0), failed_total=failed.get(w, 0),
-                consumed_total=consumed.get(w, 0)))
+                consumed_total=consumed.get(w, 0),
+                latency=_latency(latency_buckets.get(w, {}), win.span_s)))
         be_status = [st for b, row in zip(backends, raw["backends"] or [])
                      if (st := _backend(b, *row, now=now)) is not None]
 
-        win = self._history.delta(sample, self.mixture_window_s)
         throughput = []
         for span in self.throughput_windows_s:
             d = self._history.delta(sample, span)

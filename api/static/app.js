@@ -126,6 +126,8 @@ function tables(st) {
     cell(row, consumedSum ? pct(w.consumed_total / consumedSum) : "—");
     cell(row, oneMin ? (oneMin.by_workload[w.workload] || 0).toFixed(2) : "—");
     cell(row, oneMin ? fmt(Math.round(oneMin.tokens_by_workload[w.workload] || 0)) : "—");
+    const lat = w.latency;
+    cell(row, lat ? `${secs(lat.p50_s)} / ${secs(lat.p95_s)} / ${secs(lat.p99_s)}` : "—");
     wbody.append(row);
   }
   const bbody = document.querySelector("#backends tbody");

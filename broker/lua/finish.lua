@@ -8,7 +8,8 @@
 -- ARGV[4] = SessionResult JSON   ARGV[5] = completion stats JSON   ARGV[6] = now
 -- ARGV[7] = KV-token-seconds the session held   ARGV[8] (optional) = its output tokens
 -- On 'ok' the kvsec hash counts, per workload: the KV-token-seconds (field <workload>), the
--- results ('n:'), their output tokens ('tok:') and the failed ones ('failed:').
+-- results ('n:'), their output tokens ('tok:'), the failed ones ('failed:') and their latency
+-- since enqueue in √2-wide buckets ('lat:<workload>:<bucket>', broker/latency.py).
 -- Returns 'ok'; 'duplicate' when the session is already done/failed/cancelled (nothing changes);
 -- 'stale' when the session is now another backend's (re-admitted there after this one was
 -- taken for dead), so the same session is never published twice.
@@ -22,7 +23,7 @@ if ARGV[3] ~= 'done' and ARGV[3] ~= 'failed' then
   return redis.error_reply('finish: status must be done or failed')
 end
 local st = redis.call('HMGET', KEYS[1], 'state', 'backend', 'workload', 'admitted_entry',
-  'requeued_from', 'pending_entry')
+  'requeued_from', 'pending_entry', 'enqueued_at')
 local state = st[1]
 if state == 'done' or state == 'failed' or state == 'cancelled' or state == 'dead_lettered' then
   return 'duplicate'
@@ -57,6 +58,15 @@ if ARGV[8] then
 end
 if ARGV[3] == 'failed' then
   redis.call('HINCRBY', KEYS[7], 'failed:' .. workload, 1)
+end
+local enqueued, now = tonumber(st[7]), tonumber(ARGV[6])
+if enqueued and now then  -- latency bucket ceil(2·log2 s) in [-14, 25] (broker/latency.py)
+  local bucket = -14
+  if now - enqueued > 0 then
+    bucket = math.ceil(2 * math.log(now - enqueued) / math.log(2) - 1e-9)
+  end
+  bucket = math.max(-14, math.min(25, bucket))
+  redis.call('HINCRBY', KEYS[7], 'lat:' .. workload .. ':' .. string.format('%d', bucket), 1)
 end
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', '10000', '*', 'kind', 'finish', 'backend', ARGV[2])
 return 'ok'

@@ -71,6 +71,7 @@ def test_dashboard_draws_live_charts(busy_namespace, live_server, tmp_path):
     assert re.search(r"1 min: [0-9.]+ sessions/s, [0-9.k]+ tok/s", dom.stdout), dom.stdout[:3000]
     assert re.search(r'id="failures" class="tag (ok|bad)">failed \d+ · dead letters \d+', dom.stdout)
     assert "<th>tokens/s (1 min)</th>" in dom.stdout and "<th>failed</th>" in dom.stdout
+    assert ">latency p50 / p95 / p99</th>" in dom.stdout
 
     shot = tmp_path / "dashboard.png"
     r = chromium(tmp_path / "profile-shot", url, f"--screenshot={shot}", "--hide-scrollbars")

@@ -8,7 +8,9 @@ import pytest
 
 from api.history import CounterHistory, Sample
 from api.status import drift
+from broker import latency
 from broker.client import RolloutClient
+from broker.keys import Keys
 from tests.api.helpers import session_json
 from tests.broker.helpers import wait_until
 
@@ -68,7 +70,7 @@ def test_dead_backend_turns_unhealthy(api, fleet):
     assert gone["kv_usage"] is None and gone["heartbeat_age_s"] is None
 
 
-def test_throughput_consumed_window_and_drift(api, fleet, redis_url, namespace):
+def test_throughput_consumed_window_and_drift(api, fleet, redis_url, namespace, redis_client):
     fleet.backend("b0")
     fleet.start_broker("least_loaded")
     trainer = RolloutClient(redis_url, namespace)
@@ -101,6 +103,18 @@ def test_throughput_consumed_window_and_drift(api, fleet, redis_url, namespace):
     assert {w["workload"]: w["failed_total"] for w in st["workloads"]} == {
         w["workload"]: sum(r.workload == w["workload"] and r.status == "failed" for r in got)
         for w in st["workloads"]}
+    # Latency quantiles of the window: within a √2-wide bucket of the results' own.
+    lat = {w["workload"]: w["latency"] for w in st["workloads"]}
+    assert lat["agentic"] is None  # nothing finished
+    for w, n in (("rlvr", 30), ("rlhf", 10)):
+        own = sorted(float(redis_client.hget(Keys(namespace).session(r.session_id), "finished_at"))
+                     - float(redis_client.hget(Keys(namespace).session(r.session_id), "enqueued_at"))
+                     for r in got if r.workload == w)
+        assert lat[w]["finished"] == n and lat[w]["window_s"] == mix["window_s"]
+        bucket = latency.bucket_of(own[(n - 1) // 2])  # the median's
+        assert latency.upper_bound_s(bucket - 1) <= lat[w]["p50_s"] <= latency.upper_bound_s(bucket)
+        top = latency.upper_bound_s(latency.bucket_of(own[-1]))
+        assert lat[w]["p50_s"] <= lat[w]["p95_s"] <= lat[w]["p99_s"] <= top
 
 
 def test_drift_formula():

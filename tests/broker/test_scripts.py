@@ -253,6 +253,22 @@ def test_finish_counts_results_tokens_and_failures_per_workload(world, redis_cli
     assert set(world.ledger.kv_seconds()) == {"rlvr"}  # the counters are not workloads
 
 
+@pytest.mark.parametrize("latency_s", [0.0, 0.005, 0.02, 0.5, 0.51, 1.0, 1.2, 2.0, 3.0, 90.0, 4096.0, 5000.0])
+def test_finish_counts_latency_in_the_bucket_python_reads(world, redis_client, latency_s):
+    """finish.lua's bucket of (finished − enqueued) is broker.latency.bucket_of's."""
+    from broker import latency
+
+    link = world.admitted("b0", 1)
+    enqueued = float(redis_client.hget(world.k.session("s1"), "enqueued_at"))
+    assert link.finish(result("s1"), now=enqueued + latency_s) == "ok"
+    fields = {k.decode(): int(v) for k, v in redis_client.hgetall(world.k.kv_seconds).items()
+              if k.startswith(b"lat:")}
+    assert fields == {f"lat:rlvr:{latency.bucket_of(latency_s)}": 1}
+    i = latency.bucket_of(latency_s)
+    assert (latency_s <= latency.upper_bound_s(i)
+            and (i == latency.MIN_BUCKET or latency_s > latency.upper_bound_s(i - 1)))
+
+
 def test_finish_drops_the_checkpoint(world, redis_client):
     from broker.session import PartialRollout
 
