@@ -54,6 +54,7 @@ from broker.policies.base import (
 )
 from broker.policies.misa_t_control import AimdParams, CompletionPacer, admissible, shares
 from broker.policies.misa_t_predictors import PredictorParams, WorkloadModel
+from broker.policies.misa_t_placement import BackendState, Placement, Pool
 from broker.policies.misa_t_prefix import PrefixIndex, PrefixKey, prefix_key
 
 
@@ -113,20 +114,6 @@ class _Track:
     checked_parked: bool = False  # waiting_on_tool then
     checked_at: float = 0.0  # heartbeat time then
     peak_context: int = 0  # largest context seen in a heartbeat (a multi-turn session's KV peak)
-
-
-@dataclass(slots=True)
-class _Backend:
-    """Per-backend working state of one decide() call."""
-
-    view: BackendView
-    limit: float  # α_b·C_b
-    reserved: float
-    running: int  # sessions with a request on the engine, including those placed in this call
-
-    @property
-    def headroom(self) -> float:
-        return self.limit - self.reserved
 
 
 @register
@@ -194,12 +181,12 @@ class MisaT(Policy):
     # -- accounting and α ----------------------------------------------------------------
     def _account(
         self, snapshot: Snapshot, decision: Decision
-    ) -> tuple[list[_Backend], dict[str, float]]:
+    ) -> tuple[list[BackendState], dict[str, float]]:
         """Re-charge, adapt α; return the healthy backends and the KV charged per workload."""
         used: dict[str, float] = {}
         work_pending = any(snapshot.pending.values())
         present = set()
-        out: list[_Backend] = []
+        out: list[BackendState] = []
         for view in snapshot.backends:
             b = view.backend_id
             present.add(b)
@@ -212,7 +199,7 @@ class MisaT(Policy):
             if abs(view.alpha - alpha) > 1e-9:
                 decision.alpha[b] = alpha
             if view.healthy:
-                out.append(_Backend(view, alpha * view.capacity_tokens, reserved, view.in_flight))
+                out.append(BackendState(view, alpha * view.capacity_tokens, reserved, view.in_flight))
         for b in self.prefix.backends():
             if b not in present:
                 self.prefix.drop_backend(b)
@@ -371,7 +358,7 @@ class MisaT(Policy):
     def _admit(
         self,
         snapshot: Snapshot,
-        backends: list[_Backend],
+        backends: list[BackendState],
         used: dict[str, float],
         decision: Decision,
     ) -> None:
@@ -405,8 +392,9 @@ class MisaT(Policy):
         pacer = self._pacer(snapshot, fresh) if cfg.workload_allocation else None
         cursor = dict.fromkeys(fresh, 0)
         live = set(fresh)
-        held: dict[str, _Backend] = {}  # workload -> the backend kept for its blocked oldest
-        pools: dict[str, list[_Backend]] = {}  # per workload: backends not held for another
+        held: dict[str, BackendState] = {}  # workload -> the backend kept for its blocked oldest
+        placement = Placement(backends, cfg.locality_slack)
+        pools: dict[str, Pool] = {}  # per workload: backends not held for another
         while live:
             if cfg.workload_allocation:
                 # A workload whose oldest session fits nowhere right now does not hold the
@@ -422,8 +410,9 @@ class MisaT(Policy):
             pool = pools.get(w)
             if pool is None:
                 others = [b for v, b in held.items() if v != w]
-                pool = pools[w] = [b for b in backends if all(b is not o for o in others)]
-            taken, charged, need = self._admit_next(fresh[w], cursor[w], pool, decision)
+                pool = pools[w] = placement.pool(others)
+            taken, charged, need = self._admit_next(fresh[w], cursor[w], placement, pool,
+                                                    decision)
             if not taken:
                 live.discard(w)  # its oldest does not fit: FIFO within a workload, no overtaking
                 if (cfg.workload_allocation and cfg.hold_for_blocked
@@ -433,7 +422,7 @@ class MisaT(Policy):
                     # to smaller sessions of other workloads, which would starve it for good
                     # (EASY backfilling's reservation for the queue head). Elsewhere lending
                     # goes on.
-                    candidates = [b for b in pool if b.limit >= need]
+                    candidates = [b for b in pool.members if b.limit >= need]
                     if candidates:
                         held[w] = max(candidates, key=lambda b: b.headroom)
                         pools.clear()
@@ -470,7 +459,8 @@ class MisaT(Policy):
         self,
         items: Sequence[PendingItem],
         start: int,
-        backends: list[_Backend],
+        placement: Placement,
+        pool: Pool,
         decision: Decision,
     ) -> tuple[int, float, float]:
         """Admit the item at `start` (with the rest of its GRPO group): (how many, KV charged,
@@ -489,10 +479,11 @@ class MisaT(Policy):
         # slack, and spill to the next one (one more prefill of the shared prompt) beyond it.
         taken, charged = 0, 0.0
         for it, ch in zip(group, charges):
-            target, hit = self._choose(backends, ch, key)
+            target, hit = self._choose(placement, pool, ch, key)
             if target is None:
                 break
             self._place(it, target, ch, decision, key, hit)
+            placement.placed(target)
             taken, charged = taken + 1, charged + ch
         return taken, charged, charges[0]
 
@@ -507,50 +498,21 @@ class MisaT(Policy):
         return key
 
     def _choose(
-        self, backends: list[_Backend], charge: float, key: PrefixKey | None
-    ) -> tuple[_Backend | None, int]:
-        """The backend for `charge` tokens, and how much of `key` it probably caches."""
-        # A backend fits while its reservations stay within α·C. Balance first: only
-        # backends near the least used in KV (of the cache itself, not of α·C, which can be
-        # several times it) and, among those, near the least loaded in running sessions are
-        # candidates; among them the longest cached prefix, then most headroom. Three passes
-        # over the backends, because this runs for every admission.
+        self, placement: Placement, pool: Pool, charge: float, key: PrefixKey | None
+    ) -> tuple[BackendState | None, int]:
+        """The backend for `charge` tokens, and how much of `key` it probably caches: balance
+        first (KV use, then running sessions), then the longest cached prefix, then headroom
+        (misa_t_placement.py)."""
         cfg = self.config
-        fits = []
-        low = math.inf
-        for b in backends:
-            if b.limit - b.reserved >= charge:
-                fits.append(b)
-                util = b.reserved / b.view.capacity_tokens
-                if util < low:
-                    low = util
-        if not fits:
-            return None, 0
-        kv_floor = low + cfg.locality_slack
-        near = []
-        least = math.inf
-        for b in fits:
-            if b.reserved / b.view.capacity_tokens <= kv_floor:
-                near.append(b)
-                if b.running < least:
-                    least = b.running
-        run_floor = least + max(cfg.balance_slack_sessions,
-                                cfg.balance_slack_frac * self._running / self._healthy)
+        run_slack = max(cfg.balance_slack_sessions,
+                        cfg.balance_slack_frac * self._running / self._healthy)
         matched = self.prefix.matches(key) if key is not None and key.hashes else None
-        best, best_rank = None, None
-        for b in near:
-            if b.running > run_floor:
-                continue
-            hit = matched.get(b.view.backend_id, 0) if matched else 0
-            rank = (hit, b.limit - b.reserved)
-            if best_rank is None or rank > best_rank:
-                best, best_rank = b, rank
-        return best, best_rank[0]
+        return placement.choose(pool, charge, matched, run_slack)
 
     def _place(
         self,
         item: PendingItem,
-        target: _Backend,
+        target: BackendState,
         charge: float,
         decision: Decision,
         key: PrefixKey | None = None,

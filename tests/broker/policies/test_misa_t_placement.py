@@ -1,0 +1,54 @@
+"""misa_t_placement: the loop and the array evaluations of the choice rule agree on every step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from broker.policies.base import BackendView
+from broker.policies.misa_t_placement import BackendState, Placement
+
+
+def fleet(n: int, rng: random.Random) -> list[BackendState]:
+    out = []
+    for i in range(n):
+        capacity = rng.choice((60_000, 120_000, 690_000))
+        view = BackendView(backend_id=f"b{i}", capacity_tokens=capacity, max_model_len=65_536,
+                           healthy=True, alpha=1.0, telemetry=None, sessions=())
+        limit = capacity * rng.choice((0.8, 1.0, 1.1, 1.6))
+        # Some equal states, so that ties (first in fleet order wins) are exercised.
+        reserved = rng.choice((0.0, capacity * 0.5, rng.uniform(0, limit)))
+        out.append(BackendState(view, limit, reserved, rng.choice((0, 3, rng.randrange(40)))))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_loops_and_arrays_choose_the_same_backend_through_a_call(seed):
+    rng = random.Random(seed)
+    n = rng.choice((1, 2, 5, 16, 64, 200))
+    fleets = fleet(n, rng)
+    twins = [BackendState(b.view, b.limit, b.reserved, b.running) for b in fleets]
+    loops = Placement(fleets, locality_slack=rng.choice((0.0, 0.05, 0.15, 1.0)), use_arrays=False)
+    arrays = Placement(twins, locality_slack=loops.locality_slack, use_arrays=True)
+    held = rng.sample(range(n), rng.randrange(0, min(n, 4)))
+    pool_l = loops.pool([fleets[i] for i in held])
+    pool_a = arrays.pool([twins[i] for i in held])
+    chosen = 0
+    for _ in range(300):
+        charge = rng.choice((500.0, 4_000.0, 20_000.0, rng.uniform(1, 80_000)))
+        matched = (None if rng.random() < 0.3 else
+                   {f"b{i}": rng.choice((16, 1024, 4096)) for i in rng.sample(range(n), rng.randrange(n + 1))}
+                   | ({"gone": 64} if rng.random() < 0.1 else {}))
+        run_slack = rng.choice((1.0, 2.5, 6.0))
+        a, hit_a = loops.choose(pool_l, charge, matched, run_slack)
+        b, hit_b = arrays.choose(pool_a, charge, matched, run_slack)
+        assert (a.view.backend_id if a else None, hit_a) == (b.view.backend_id if b else None, hit_b)
+        if a is None:
+            continue
+        chosen += 1
+        for target, placement in ((a, loops), (b, arrays)):
+            target.reserved += charge
+            target.running += 1
+            placement.placed(target)
+    assert chosen > 0
