@@ -12,7 +12,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import redis.asyncio as aioredis
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
@@ -23,6 +22,7 @@ from api.routers import dashboard, health, metrics, mixture, sessions, status, w
 from api.settings import ApiSettings, check_bind, get_settings
 from api.status import StatusReader
 from broker.keys import Keys
+from broker.redis_conn import connect_async
 
 
 log = logging.getLogger("rollout_broker.api")
@@ -47,7 +47,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.redis = aioredis.Redis.from_url(settings.redis_url)
+        app.state.redis = connect_async(settings.redis_url)
         app.state.status_reader = StatusReader(
             app.state.redis, Keys(settings.namespace), app.state.history,
             settings.mixture_window_s, settings.throughput_windows_s)

@@ -113,6 +113,8 @@ class WorkloadStatus(BaseModel):
     failed_total: int  # of those, failed
     consumed_total: int  # results the trainer acknowledged
     latency: LatencyStatus | None = None  # None: nothing finished in the window
+    # bucket -> results ever counted in it (broker/latency.py); for /metrics, not in the JSON
+    latency_buckets_total: dict[int, int] = Field(default_factory=dict, exclude=True)
 
 
 class BackendStatus(BaseModel):

@@ -182,6 +182,7 @@ class StatusReader:
                         tokens=_counter(counters, "tok:"), latency=latency.parse_counters(counters))
         win = self._history.delta(sample, self.mixture_window_s)
         latency_buckets = latency.by_workload(win.latency)
+        latency_totals = latency.by_workload(sample.latency)
 
         wl_status = []
         for w, (n_pend, n_req, first_pend, first_req) in zip(workloads, raw["workloads"] or []):
@@ -192,7 +193,8 @@ class StatusReader:
                 oldest_pending_age_s=max(ages) if ages else None,
                 finished_total=finished.get(w, 0), failed_total=failed.get(w, 0),
                 consumed_total=consumed.get(w, 0),
-                latency=_latency(latency_buckets.get(w, {}), win.span_s)))
+                latency=_latency(latency_buckets.get(w, {}), win.span_s),
+                latency_buckets_total=latency_totals.get(w, {})))
         be_status = [st for b, row in zip(backends, raw["backends"] or [])
                      if (st := _backend(b, *row, now=now)) is not None]
 

@@ -65,3 +65,21 @@ def quantiles(buckets: Mapping[int, int], qs: Sequence[float]) -> list[float] | 
                 break
             seen += n
     return out
+
+
+def cumulative_at_powers_of_two(buckets: Mapping[int, int]) -> list[tuple[float, int]]:
+    """(upper bound, results at or below it) at every power of two from the smallest bucket's
+    bound to 2^12 s, then (inf, all): a Prometheus histogram's `le` buckets (every other
+    √2-wide bucket edge, exact since the edges coincide)."""
+    out = []
+    total = 0
+    ordered = sorted(buckets.items())
+    k = 0
+    for i in range(MIN_BUCKET, OVERFLOW):
+        while k < len(ordered) and ordered[k][0] <= i:
+            total += ordered[k][1]
+            k += 1
+        if i % 2 == 0:
+            out.append((upper_bound_s(i), total))
+    out.append((math.inf, sum(buckets.values())))
+    return out

@@ -11,12 +11,13 @@ from collections.abc import Iterator
 
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from api.deps import StatusReaderDep
 from api.models import StatusPublic
+from broker import latency
 
 router = APIRouter(tags=["metrics"])
 
@@ -58,13 +59,20 @@ class StatusCollector(Collector):
                                        labels=["workload"])
         consumed = CounterMetricFamily("rb_consumed_sessions", "results the trainer acknowledged",
                                        labels=["workload"])
+        seconds = HistogramMetricFamily(
+            "rb_session_latency_seconds", "enqueue to result published, per session (no _sum: "
+            "use histogram_quantile)", labels=["workload"])
         for w in s.workloads:
+            seconds.add_metric([w.workload], [
+                ("+Inf" if le == float("inf") else repr(le), n)
+                for le, n in latency.cumulative_at_powers_of_two(w.latency_buckets_total)],
+                sum_value=None)
             depth.add_metric([w.workload], w.depth)
             if w.oldest_pending_age_s is not None:
                 age.add_metric([w.workload], w.oldest_pending_age_s)
             finished.add_metric([w.workload], w.finished_total)
             consumed.add_metric([w.workload], w.consumed_total)
-        yield from (depth, age, finished, consumed)
+        yield from (depth, age, finished, consumed, seconds)
 
     def _mixture(self, s: StatusPublic) -> Iterator[Metric]:
         target = GaugeMetricFamily("rb_mixture_target", "target share pi_w", labels=["workload"])

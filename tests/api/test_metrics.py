@@ -49,6 +49,22 @@ def test_metrics_cover_queues_mixture_and_ledger(api, fleet):
     assert m[("rb_queue_depth", (("workload", "rlvr"),))] == 0
 
 
+def test_session_latency_is_a_histogram_of_every_result(api, fleet):
+    fleet.backend("b0")
+    fleet.start_broker("least_loaded")
+    api.post("/v1/sessions", json={"sessions": [session_json(i) for i in range(6)]})
+    key = ("rb_session_latency_seconds_bucket", (("le", "+Inf"), ("workload", "rlvr")))
+    assert wait_until(lambda: samples(api.get("/metrics").text).get(key) == 6, timeout=20)
+    m = samples(api.get("/metrics").text)
+    rlvr = sorted((float(dict(labels)["le"]), v) for (name, labels), v in m.items()
+                  if name == "rb_session_latency_seconds_bucket"
+                  and dict(labels)["workload"] == "rlvr")
+    counts = [v for _, v in rlvr]
+    assert counts == sorted(counts) and counts[-1] == 6  # cumulative, all six in +Inf
+    assert rlvr[0][0] == 2.0 ** -7 and rlvr[-2][0] == 2.0 ** 12  # powers of two, then +Inf
+    assert m[("rb_session_latency_seconds_bucket", (("le", "+Inf"), ("workload", "rlhf")))] == 0
+
+
 def test_metrics_do_not_leak_into_the_global_registry(api):
     from prometheus_client import REGISTRY
 

@@ -36,3 +36,11 @@ def test_counters_parse_by_workload():
     counts = latency.parse_counters(fields)
     assert counts == {"rlvr:3": 2, "rlvr:-14": 1, "agentic:10": 0}
     assert latency.by_workload(counts) == {"rlvr": {3: 2, -14: 1}}
+
+
+def test_prometheus_buckets_are_cumulative_at_powers_of_two():
+    rows = latency.cumulative_at_powers_of_two({-3: 1, 0: 2, 1: 3, 5: 1, latency.OVERFLOW: 4})
+    le = dict(rows)
+    assert le[0.5] == 1 and le[1.0] == 3 and le[2.0] == 6 and le[4.0] == 6 and le[8.0] == 7
+    assert le[2.0 ** 12] == 7 and rows[-1] == (math.inf, 11)
+    assert [b for b, _ in rows[:-1]] == [2.0 ** k for k in range(-7, 13)]
