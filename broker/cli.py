@@ -198,6 +198,7 @@ def worker(
         envvar="RB_TOOL_CONFIG")] = None,
     tool_timeout: Annotated[float, typer.Option(help="seconds one tool or reward call may take")] = 60.0,
     tool_retries: Annotated[int, typer.Option(help="rq: retries of a failed tool job")] = 1,
+    tools_redis_url: Annotated[Optional[str], typer.Option(help="rq: the Redis of the tool queues (default: --redis-url; needed when that is a Redis Cluster)", envvar="RB_TOOLS_REDIS_URL")] = None,
     engine_retries: Annotated[int, typer.Option(help="retries of a turn on engine 5xx/timeouts")] = 3,
     request_timeout: Annotated[float, typer.Option(help="seconds one turn's HTTP call may take")] = 600.0,
     heartbeat_s: Annotated[float, typer.Option(help="seconds between heartbeats")] = 1.0,
@@ -234,7 +235,7 @@ def worker(
                    EngineOptions(spec=engine, time_scale=time_scale, kv_tokens=kv_tokens,
                                  seed=seed, ready_timeout_s=ready_timeout),
                    ToolOptions(kind=tools, timeout_s=tool_timeout, retries=tool_retries,
-                               config=tool_config))
+                               config=tool_config, redis_url=tools_redis_url))
     except WorkerConfigError as exc:  # a bad option, named, before anything started
         raise _usage_error("worker", exc) from None
 
@@ -247,18 +248,19 @@ def tools_worker(
         help="TOML file registering the tools and rewards sessions may name",
         envvar="RB_TOOL_CONFIG")] = None,
     burst: Annotated[bool, typer.Option(help="exit when the queues are empty")] = False,
+    tools_redis_url: Annotated[Optional[str], typer.Option(help="the Redis of the tool queues (default: --redis-url; needed when that is a Redis Cluster)", envvar="RB_TOOLS_REDIS_URL")] = None,
 ) -> None:
     """Run a CPU tool worker: an RQ worker on the namespace's tool and reward queues."""
-    from broker.redis_conn import check_redis_url
-    from workers.tools import RegistryError, load_registry, run_tool_worker, tool_queues
+    from workers.tools import (RegistryError, load_registry, run_tool_worker, tool_queues,
+                               tools_redis_url as tools_url)
 
     try:
-        check_redis_url(redis_url)
+        url = tools_url(redis_url, tools_redis_url)
         tool_queues(namespace)
         registry = load_registry(tool_config)
     except (RegistryError, ValueError) as exc:
         raise _usage_error("tools", exc) from None
-    run_tool_worker(redis_url, registry, namespace, burst=burst)
+    run_tool_worker(url, registry, namespace, burst=burst)
 
 
 @app.command("probe")
@@ -268,6 +270,7 @@ def probe(
     namespace: Annotated[str, typer.Option(help="key namespace (one RL job)", envvar="RB_NAMESPACE")] = "default",
     backend_id: Annotated[Optional[str], typer.Option(help="worker: its backend id")] = None,
     max_age: Annotated[float, typer.Option(help="tools: seconds since the RQ worker's last heartbeat")] = 60.0,
+    tools_redis_url: Annotated[Optional[str], typer.Option(help="tools: the Redis of the tool queues (default: --redis-url)", envvar="RB_TOOLS_REDIS_URL")] = None,
 ) -> None:
     """Health probe for a container or pod: exit 0 if ROLE is doing its job, else 1 and why
     (broker: one holds the lease; worker: its heartbeat is live; tools: an RQ worker on this
@@ -284,6 +287,10 @@ def probe(
             raise ValueError(f"role: {role!r} must be broker, worker or tools")
         if role == "worker" and not backend_id:
             raise ValueError("backend_id: the worker's backend id is needed to probe it")
+        if role == "tools":
+            from workers.tools import tools_redis_url as tools_url
+
+            redis_url = tools_url(redis_url, tools_redis_url)
         keys = Keys(namespace)
     except ValueError as exc:
         raise _usage_error("probe", exc) from None

@@ -15,7 +15,7 @@ from broker.binaries import find_executable
 from broker.redis_conn import check_redis_url
 from sim.engine.profiles import check_engine_options, get_profile
 from workers.engine import EngineSpec, open_engine, vllm_command
-from workers.tools import load_registry, make_executor
+from workers.tools import load_registry, make_executor, tools_redis_url
 from workers.worker import Worker, WorkerSettings
 
 log = logging.getLogger("rollout_broker.worker")
@@ -36,6 +36,7 @@ class ToolOptions:
     timeout_s: float = 60.0
     retries: int = 1  # rq only
     config: str | None = None  # the operator's TOML registry (inline; rq: the tool workers')
+    redis_url: str | None = None  # rq: the tool queues' Redis (default: the worker's own)
 
 
 async def _serve(worker: Worker) -> None:
@@ -83,6 +84,8 @@ def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptio
             raise ValueError(f"tools: {tools.kind!r} must be 'inline' or 'rq'")
         # With rq the tool workers' registry is the one that counts; theirs is loaded there.
         registry = load_registry(tools.config) if tools.kind == "inline" else None
+        tools_url = tools_redis_url(settings.redis_url, tools.redis_url) \
+            if tools.kind == "rq" else settings.redis_url
     except ValueError as exc:
         raise WorkerConfigError(str(exc)) from None
     settings.runner.time_scale = engine.time_scale
@@ -90,7 +93,7 @@ def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptio
                          seed=engine.seed, ready_timeout_s=engine.ready_timeout_s)
     try:
         log.info("worker %s: engine at %s", settings.backend_id, handle.url)
-        executor = make_executor(tools.kind, settings.redis_url, settings.namespace,
+        executor = make_executor(tools.kind, tools_url, settings.namespace,
                                  tools.timeout_s, tools.retries,
                                  registry)
         asyncio.run(_serve(Worker(settings, handle.url, executor)))

@@ -31,7 +31,9 @@ Executors:
   is killed), `Retry(max=retries)`, and its failed-job registry keeping what failed for
   `failure_ttl`. CPU tool workers: `rollout-broker tools --redis-url URL`; the registry that
   counts is theirs. One poller task per executor fetches the status of every job in flight in
-  one round trip per tick, and rides out a Redis outage until the call's deadline.
+  one round trip per tick, and rides out a Redis outage until the call's deadline. The queues
+  may live on a Redis of their own (`--tools-redis-url`, RB_TOOLS_REDIS_URL), and must when the
+  main one is a Redis Cluster: RQ's keys span hash slots (`tools_redis_url`).
 Both raise `ToolError` with the reason when the call fails or times out (the session's fault),
 `ToolUnavailable` when the tool service itself could not be used (the worker hands the session
 back); nothing a tool raises (`SystemExit` included) escapes the session's task.
@@ -58,7 +60,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker.keys import Keys
-from broker.redis_conn import BACKOFF_CAP_S, Outage, connect, is_outage
+from broker.redis_cluster import is_cluster_url
+from broker.redis_conn import BACKOFF_CAP_S, Outage, check_redis_url, connect, is_outage
 from broker.session import REGISTRY_KEY_RE
 
 log = logging.getLogger("rollout_broker.tools")
@@ -69,6 +72,28 @@ def tool_queues(namespace: str) -> tuple[str, str]:
     way."""
     Keys(namespace)  # the namespace's own checks
     return f"rb-{namespace}-tools", f"rb-{namespace}-rewards"
+
+
+TOOLS_REDIS_ENV = "RB_TOOLS_REDIS_URL"
+
+
+def _refuse_cluster(url: str, field: str) -> None:
+    if is_cluster_url(url):
+        raise ValueError(
+            f"{field}: rq cannot run on a Redis Cluster (its keys span hash slots and it WATCHes "
+            "and MULTIs across them); give the tool queues a plain or Sentinel Redis with "
+            f"--tools-redis-url (or ${TOOLS_REDIS_ENV})")
+
+
+def tools_redis_url(redis_url: str, tools_redis_url: str | None = None) -> str:
+    """The Redis RQ's tool and reward queues live on: `tools_redis_url` when given, else the
+    main `redis_url`. Raises ValueError naming the setting when it is unusable, or a Redis
+    Cluster (which RQ cannot use)."""
+    field = "tools_redis_url" if tools_redis_url else "redis_url"
+    url = tools_redis_url or redis_url
+    check_redis_url(url, field)
+    _refuse_cluster(url, field)
+    return url
 TOOL_ENTRY_POINTS = "rollout_broker.tools"
 REWARD_ENTRY_POINTS = "rollout_broker.rewards"
 TOOL_CONFIG_ENV = "RB_TOOL_CONFIG"
@@ -381,6 +406,7 @@ class RqExecutor:
         self.retries = retries
         self.poll_s = poll_s
         self.failure_ttl_s = failure_ttl_s
+        _refuse_cluster(redis_url, "tools_redis_url")
         self._redis = connect(redis_url)
         self._outage = Outage("rq tool calls", log)
         self._serializer = JSONSerializer
@@ -526,6 +552,7 @@ def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "de
 
     stop = stop or threading.Event()
     queues = tool_queues(namespace)
+    _refuse_cluster(redis_url, "tools_redis_url")
 
     class ToolWorker(SimpleWorker):
         def request_stop(self, signum, frame):  # RQ's handler of SIGTERM/SIGINT
