@@ -279,7 +279,7 @@ def probe(
 
     from broker.keys import Keys
     from broker.probes import probe_broker, probe_tools, probe_worker
-    from broker.redis_conn import check_redis_url
+    from broker.redis_conn import check_redis_url, connect
 
     try:
         check_redis_url(redis_url)
@@ -294,7 +294,7 @@ def probe(
         keys = Keys(namespace)
     except ValueError as exc:
         raise _usage_error("probe", exc) from None
-    client = redis.Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3)
+    client = connect(redis_url, socket_timeout=3, socket_connect_timeout=3)
     try:
         if role == "broker":
             reason = probe_broker(client, keys)

@@ -11,7 +11,10 @@ the dead-letter stream with the reason; the readable ones are returned.
 A Redis outage is ridden out: each call waits with backoff (logged once per outage) and goes
 on when Redis answers, for up to `outage_timeout_s`, then raises the Redis error. Every call
 is safe to repeat, so a call whose reply was lost is simply made again; `enqueue` then reports
-the ids it added in the lost attempt as known, not new.
+the ids it added in the lost attempt as known, not new. With a Sentinel URL, enqueue, the
+delivery of results and their acknowledgement count only once a replica holds them
+(`broker.plans.durable`); a read whose delivery was not confirmed (or whose reply was lost) is
+followed by a read of this consumer's backlog, so no result stays behind.
 
 `RolloutClient` blocks; `AsyncRolloutClient` runs the same plans (broker/plans.py) on a
 `redis.asyncio` connection.
@@ -32,9 +35,10 @@ from pydantic import ValidationError
 from broker.keys import TRAINER_GROUP, Keys
 from broker.ledger import EnqueueLimits, enqueue_limits, read_all
 from broker.mixture import quotas
-from broker.plans import AsyncRunner, Cmd, Guard, Plan, Runner, batch, cmd, ensure_group, script
+from broker.plans import (AsyncRunner, Cmd, Guard, Plan, Runner, ScriptCall, batch, cmd, durable,
+                          ensure_group, script)
 from broker.queue import dead_letter, enqueue, validate_batch
-from broker.redis_conn import Outage, connect, connect_async
+from broker.redis_conn import NO_WAIT, Outage, connect, connect_async, durability, is_outage
 from broker.session import DEFAULT_WORKLOADS, Session, SessionResult
 from broker.streams import BacklogCursor, as_text
 from broker.weights import (
@@ -69,6 +73,7 @@ class _Plans:
         self.consumer = consumer
         self.outage_timeout_s = outage_timeout_s
         self._outage = Outage(f"client {namespace}/{consumer}", log)
+        self.durability = NO_WAIT  # the connection's (`redis_conn.durability`)
         names = list(workloads or ())
         for w in names:
             self.keys.pending(w)  # validates the name
@@ -114,7 +119,7 @@ class _Plans:
     def _enqueue(self, items: list[Session | Mapping[str, Any]]) -> Plan[list[str]]:
         known, limits = yield self._retry(self._known_and_limits)
         batch = validate_batch(items, known, limits)
-        new = yield self._retry(enqueue, self.keys, batch)
+        new = yield self._retry(enqueue, self.keys, batch, None, self.durability)
         for s in batch:
             if s.group_id is not None:
                 self._groups.setdefault(s.group_id, set()).add(s.session_id)
@@ -155,19 +160,31 @@ class _Plans:
         args: list[str] = [TRAINER_GROUP]
         for eid, w in self._handed:
             args += [eid, w]
-        yield script("ack_results", [self.keys.results, self.keys.consumed], args)
+        yield from durable([ScriptCall("ack_results", [self.keys.results, self.keys.consumed],
+                                       args)], self.durability)
         self._handed = []
 
     def _fetch(self, count: int, block_ms: int | None) -> Plan[int]:
         start, block = self._cursor.read_args(block_ms)
-        reply = yield cmd("xreadgroup", TRAINER_GROUP, self.consumer, {self.keys.results: start},
-                          count=count, block=block)
+        read = Cmd("xreadgroup", (TRAINER_GROUP, self.consumer, {self.keys.results: start}),
+                   {"count": count, "block": block})
+        try:
+            # Delivery is a write too: results are handed on only once replicas hold them
+            # (and their delivery), so a failover never brings a handed result back.
+            (reply,) = yield from durable([read], self.durability)
+        except Exception as exc:
+            if is_outage(exc):
+                # Entries this read delivered may never have reached us (lost reply) or not
+                # be confirmed: read our backlog again from the start, so none stays behind.
+                self._cursor.reset()
+            raise
         entries = reply[0][1] if reply else []
         self._cursor.advance(entries, count)
+        held = self._held_ids() if start != ">" else set()
         n = 0
         for entry_id, fields in entries:
             eid = as_text(entry_id)
-            if not fields:  # deleted after delivery: nothing to read
+            if not fields or eid in held:  # deleted after delivery, or already ours
                 continue
             raw = fields.get(b"result", fields.get("result"))
             try:
@@ -184,6 +201,12 @@ class _Plans:
             self._buffer.setdefault(r.workload, deque()).append((eid, r))
             n += 1
         return n
+
+    def _held_ids(self) -> set[str]:
+        """Entry ids buffered or handed back and not yet acknowledged (a backlog read after
+        an outage delivers them again)."""
+        return {eid for q in self._buffer.values() for eid, _ in q} | {
+            eid for eid, _ in self._handed}
 
     def _buffered(self) -> int:
         return sum(len(q) for q in self._buffer.values())
@@ -348,6 +371,7 @@ class RolloutClient(_Plans):
         waits for Redis to answer before it raises."""
         super().__init__(namespace, workloads, consumer, outage_timeout_s)
         self._client = connect(redis_url)
+        self.durability = durability(redis_url)
         self._runner = Runner(self._client, self._outage)
         self._runner.run(self._retried(self._setup))
 
@@ -470,6 +494,7 @@ class AsyncRolloutClient(_Plans):
                  outage_timeout_s: float = DEFAULT_OUTAGE_TIMEOUT_S) -> None:
         super().__init__(namespace, workloads, consumer, outage_timeout_s)
         self._client = connect_async(redis_url)
+        self.durability = durability(redis_url)
         self._runner = AsyncRunner(self._client, self._outage)
         self._set_up = False
         self._reading = asyncio.Lock()  # the delivery buffer and its acknowledgements

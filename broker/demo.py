@@ -35,7 +35,7 @@ from broker.heartbeat import parse_heartbeat
 from broker.keys import Keys
 from broker.mixture import mixture_drift
 from broker.policies import DEFAULT_POLICY, check_live_policy
-from broker.redis_conn import check_redis_url
+from broker.redis_conn import check_redis_url, connect
 from broker.redis_server import RedisHandle, ensure_redis
 from broker.session import Session, SessionResult, SessionState
 from scenarios import scenario_path
@@ -336,7 +336,7 @@ def run_demo(settings: DemoSettings, console: Console | None = None,
     children = Children(logdir)
     backends = [f"engine-{i}" for i in range(settings.engines)]
     client = RolloutClient(handle.url, namespace)
-    r = redis.Redis.from_url(handle.url)
+    r = connect(handle.url)
     trainer = Trainer(client, scenario, dict(scenario.mixture))
     engines: dict[str, dict | None] = {}
     started = time.monotonic()

@@ -16,6 +16,8 @@ and every rule it holds (validation, delivery buffer, acknowledgements) exists o
 - `Sleep`: wait without holding the connection.
 - `Guard`: run another plan, waiting out a Redis outage (broker/redis_conn.py) until a
   deadline; after it, either raise the last error (`quiet=False`) or hand back None.
+- `durable(calls, durability)`: writes that must survive a failover; they count as done only
+  once enough replicas hold them (WAIT, in the same round trip).
 
 An error a step raises is thrown into the plan at its `yield`, so a plan can catch it (e.g.
 BUSYGROUP when a consumer group already exists).
@@ -32,7 +34,7 @@ from typing import Any, TypeVar
 import redis
 import redis.asyncio as aioredis
 
-from broker.redis_conn import Outage, is_outage
+from broker.redis_conn import Durability, NotReplicatedError, Outage, is_outage
 from broker.scripts import SCRIPT_NAMES, Scripts, script_source
 
 T = TypeVar("T")
@@ -94,6 +96,27 @@ def batch(calls: list[Cmd | ScriptCall], transaction: bool = False) -> Batch:
     return Batch(tuple(calls), transaction=transaction)
 
 
+def durable(calls: list[Cmd | ScriptCall], durability: Durability) -> Plan[list]:
+    """`calls` in one round trip, then, when `durability` asks for replicas, WAIT on the same
+    connection (WAIT counts the replicas holding everything this connection wrote, so it must
+    not go out on another one from the pool). Returns the calls' replies; raises
+    NotReplicatedError (an outage: the caller retries the idempotent writes) when fewer
+    replicas confirmed them in time; the runner then drops its idle connections, so the retry
+    asks the sentinels where the primary is (one without replicas may just have been
+    replaced: after a SENTINEL FAILOVER the old primary takes writes for seconds). Every write
+    the system must not lose in a failover goes through here: enqueue, admission, finish,
+    hand-back, results delivery and acknowledgement."""
+    if not calls:
+        return []
+    if not durability.replicas:
+        if len(calls) == 1:  # one call goes out alone, as `cmd` and `script` send it
+            return [(yield Batch(tuple(calls), single=True))]
+        return (yield batch(calls))
+    replies = yield batch([*calls, Cmd("wait", (durability.replicas, durability.timeout_ms))])
+    durability.confirm(replies[-1])
+    return replies[:-1]
+
+
 def ensure_group(stream: str, group: str, start_id: str = "0") -> Plan[None]:
     """Create consumer group `group` on `stream` (and the stream); one that exists is kept."""
     try:
@@ -126,6 +149,9 @@ class Runner:
                 step = plan.throw(error) if error is not None else plan.send(reply)
             except StopIteration as done:
                 return done.value
+            except NotReplicatedError:
+                self.client.connection_pool.disconnect(inuse_connections=False)
+                raise
             reply, error = None, None
             try:
                 reply = self._step(step)
@@ -187,6 +213,9 @@ class AsyncRunner:
                 step = plan.throw(error) if error is not None else plan.send(reply)
             except StopIteration as done:
                 return done.value
+            except NotReplicatedError:
+                await self.client.connection_pool.disconnect(inuse_connections=False)
+                raise
             reply, error = None, None
             try:
                 reply = await self._step(step)

@@ -19,7 +19,8 @@ from pydantic import ValidationError
 
 from broker.keys import BROKER_GROUP, Keys
 from broker.ledger import EnqueueLimits
-from broker.plans import Plan, Runner, script
+from broker.plans import Plan, Runner, ScriptCall, durable, script
+from broker.redis_conn import NO_WAIT, Durability
 from broker.scripts import Scripts
 from broker.session import ID_RE as SESSION_ID_RE
 from broker.session import Session
@@ -96,8 +97,10 @@ def validate_batch(
     return out
 
 
-def enqueue(keys: Keys, sessions: Sequence[Session], now: float | None = None) -> Plan[list[str]]:
-    """Add validated sessions; returns the ids that were new (repeats are no-ops)."""
+def enqueue(keys: Keys, sessions: Sequence[Session], now: float | None = None,
+            durability: Durability = NO_WAIT) -> Plan[list[str]]:
+    """Add validated sessions; returns the ids that were new (repeats are no-ops). Each chunk
+    counts as added once `durability`'s replicas hold it (NotReplicatedError otherwise)."""
     now = time.time() if now is None else now
     new: list[str] = []
     for start in range(0, len(sessions), ENQUEUE_CHUNK):
@@ -107,7 +110,7 @@ def enqueue(keys: Keys, sessions: Sequence[Session], now: float | None = None) -
         for s in chunk:
             skeys += [keys.session(s.session_id), keys.pending(s.workload)]
             args += [s.session_id, s.workload, s.model_dump_json()]
-        flags = yield script("enqueue", skeys, args)
+        (flags,) = yield from durable([ScriptCall("enqueue", skeys, args)], durability)
         new += [s.session_id for s, f in zip(chunk, flags) if int(f) == 1]
     return new
 

@@ -11,15 +11,20 @@ import time
 from dataclasses import dataclass, field
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from broker.binaries import find_executable
+from broker.redis_conn import SENTINEL_SCHEME, connect
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def redis_answers(url: str, timeout: float = 1.0) -> bool:
+    """A PING through `url` answers within `timeout` (a Sentinel URL: its primary does)."""
     try:
-        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        client = connect(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                         retry=Retry(NoBackoff(), 0))
         try:
             return bool(client.ping())
         finally:
@@ -116,12 +121,19 @@ def start_private_redis(appendonly: bool = False, timeout: float = 10.0, port: i
 
 def ensure_redis(url: str | None = None) -> RedisHandle:
     """Use `url` (or $REDIS_URL, or the default local port) if it answers; else start one.
-    The handle's `why` says which, and where the URL came from (a typo in $REDIS_URL shows)."""
+    The handle's `why` says which, and where the URL came from (a typo in $REDIS_URL shows).
+    A Sentinel URL asks for a replicated Redis: one that does not answer is an error, never
+    replaced by a private server."""
     source = "the given URL" if url else "$REDIS_URL" if os.environ.get("REDIS_URL") \
         else "the default URL"
     url = url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
-    if redis_answers(url):
+    sentinel = url.startswith(SENTINEL_SCHEME + "://")
+    if redis_answers(url, timeout=2.0 if sentinel else 1.0):
         return RedisHandle(url=url, why=f"{source} answered")
+    if sentinel:
+        raise RuntimeError(f"redis: no primary answers through the sentinels of {source}; "
+                           "start them (or fix the URL): a private server is started only in "
+                           "place of a plain redis:// URL")
     handle = start_private_redis()
     handle.why = f"nothing answered at {url} ({source}), so a private redis-server runs"
     return handle

@@ -41,8 +41,9 @@ from broker import metrics
 from broker.lease import Lease
 from broker.policies import check_live_policy, make_policy
 from broker.policies.base import Completion, Decision, PendingItem, Policy
+from broker.plans import Cmd, Runner, ScriptCall, durable
 from broker.queue import PendingEntry, SessionQueue, decode_entry
-from broker.redis_conn import Outage, connect, is_outage
+from broker.redis_conn import Outage, connect, durability, is_outage
 from broker.scripts import Scripts
 from broker.session import Session, SessionResult, SessionState
 from broker.snapshot import (
@@ -100,8 +101,10 @@ class BrokerService:
         self.policy = policy
         self.consumer = consumer or f"broker-{uuid.uuid4().hex[:12]}"
         self._client = connect(redis_url)
+        self._durability = durability(redis_url)  # admissions wait for replicas
         self._outage = Outage(f"broker {self.consumer}", log)
         self._scripts = Scripts(self._client)
+        self._runner = Runner(self._client, scripts=self._scripts)
         self._queue = SessionQueue(self._client, self.keys, self._scripts)
         self.lease = Lease(self._client, self.keys, self._scripts, self.settings.lease_period_s,
                            holder=f"{self.policy.name}@{self.consumer}")
@@ -478,7 +481,9 @@ class BrokerService:
         """Plan with the shared rule (`broker.decision.apply_decision`: α, then recharges, then
         admissions) against the ledger just read, then send what it accepted, in that order,
         in one pipeline; the scripts apply the same rule atomically to the ledger as it is by
-        then (finishes since the read only make room)."""
+        then (finishes since the read only make room). They count as applied once the
+        connection's replicas hold them (else NotReplicatedError, an outage: this term ends
+        and the next one reads what Redis kept)."""
         k, token = self.keys, self.lease.token
         # A router baseline forwards everything and lets the engine queue: the ledger charges
         # its sessions but does not hold them back, or the baseline would be secretly admitted.
@@ -492,13 +497,13 @@ class BrokerService:
                 log.error("policy %s admitted %s to %s: unknown session or backend",
                           self.policy.name, adm.session_id, adm.backend_id)
         plan = apply_decision(decision, ledgers, enforce)
-        pipe = self._client.pipeline(transaction=False)
+        calls: list[Cmd | ScriptCall] = []
         for b, alpha in plan.alpha.items():
-            pipe.hset(k.ledger(b), "alpha", repr(alpha))
+            calls.append(Cmd("hset", (k.ledger(b), "alpha", repr(alpha))))
         for sid, (b, tokens) in plan.recharge.items():
-            self._scripts.recharge(keys=[k.lease, k.session(sid), k.ledger(b), k.ledger_sessions(b)],
-                                   args=[token, sid, b, tokens, "1" if enforce else "0"],
-                                   client=pipe)
+            calls.append(ScriptCall("recharge",
+                                    [k.lease, k.session(sid), k.ledger(b), k.ledger_sessions(b)],
+                                    [token, sid, b, tokens, "1" if enforce else "0"]))
         placed: list[tuple[dict[str, _Held], _Held, str]] = []
         for adm in plan.admissions:
             found = self._find(adm.session_id)
@@ -506,14 +511,14 @@ class BrokerService:
                 continue
             queue, held = found
             b = adm.backend_id
-            self._scripts.admit(
-                keys=[k.lease, k.session(adm.session_id), k.ledger(b), k.ledger_sessions(b),
-                      k.heartbeat(b), k.admitted(b), held.entry.stream],
-                args=[token, adm.session_id, b, int(adm.reserved_tokens), held.entry.entry_id,
-                      repr(now), "1" if enforce else "0"],
-                client=pipe)
+            calls.append(ScriptCall(
+                "admit",
+                [k.lease, k.session(adm.session_id), k.ledger(b), k.ledger_sessions(b),
+                 k.heartbeat(b), k.admitted(b), held.entry.stream],
+                [token, adm.session_id, b, int(adm.reserved_tokens), held.entry.entry_id,
+                 repr(now), "1" if enforce else "0"]))
             placed.append((queue, held, b))
-        replies = pipe.execute(raise_on_error=True) if len(pipe) else []
+        replies = self._runner.run(durable(calls, self._durability))
         admitted = 0
         for (queue, held, b), reply in zip(placed, replies[-len(placed):] if placed else []):
             r = as_text(reply)

@@ -35,8 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S, EngineMetrics, HeartbeatRecord, SessionProgress
 from broker.keys import WORKERS_GROUP, Keys, check_backend_id
 from broker.ledger import Ledger
-from broker.plans import Runner
-from broker.redis_conn import connect
+from broker.plans import Runner, ScriptCall, durable
+from broker.redis_conn import connect, durability
 from broker.scripts import Scripts
 from broker.session import Session, SessionResult, SessionState
 from broker.streams import BacklogCursor, as_text
@@ -67,6 +67,7 @@ class WorkerLink:
         self.backend_id = check_backend_id(backend_id)
         self.keys = Keys(namespace)
         self._client = connect(redis_url)
+        self.durability = durability(redis_url)  # finish and hand_back wait for replicas
         self._scripts = Scripts(self._client)
         self._runner = Runner(self._client, scripts=self._scripts)
         self._ledger = Ledger(self._client, self.keys)
@@ -179,15 +180,14 @@ class WorkerLink:
 
     def finish_many(self, finished: Sequence[tuple[SessionResult, CompletionStats | None]],
                     now: float | None = None) -> list[str]:
-        """`finish` for several sessions in one round trip; one reply per session, in order."""
+        """`finish` for several sessions in one round trip; one reply per session, in order.
+        Done only once the connection's replicas hold them (else NotReplicatedError: retry)."""
         now = time.time() if now is None else now
-        pipe = self._client.pipeline(transaction=False)
-        for result, stats in finished:
-            self._finish(result, stats, now, pipe)
-        return [as_text(r) for r in pipe.execute()] if finished else []
+        calls = [self._finish(result, stats, now) for result, stats in finished]
+        return [as_text(r) for r in self._runner.run(durable(calls, self.durability))]
 
-    def _finish(self, result: SessionResult, stats: CompletionStats | None, now: float,
-                pipe: redis.client.Pipeline) -> None:
+    def _finish(self, result: SessionResult, stats: CompletionStats | None,
+                now: float) -> ScriptCall:
         if result.status not in (SessionState.done, SessionState.failed):
             raise ValueError(f"status: a worker finishes with done or failed, not {result.status!r}")
         if result.backend_id not in (None, self.backend_id):
@@ -196,13 +196,13 @@ class WorkerLink:
         result = result.model_copy(update={"backend_id": self.backend_id,
                                            "finished_at": result.finished_at or now})
         k, b = self.keys, self.backend_id
-        self._scripts.finish(
+        return ScriptCall(
+            "finish",
             keys=[k.session(result.session_id), k.ledger(b), k.ledger_sessions(b), k.admitted(b),
                   k.results, k.events, k.kv_seconds, k.requeue(result.workload), k.stats],
             args=[result.session_id, b, result.status.value, result.model_dump_json(),
                   stats.model_dump_json(), repr(now), repr(stats.kv_token_seconds),
-                  str(result.output_tokens)],
-            client=pipe)
+                  str(result.output_tokens)])
 
 
     def hand_back(self, sessions: Sequence[Session], why: str, now: float | None = None,
@@ -224,7 +224,8 @@ class WorkerLink:
                 *(s.session_id for s in sessions)]
         if replace_body:
             args += [s.model_dump_json(exclude_defaults=True) for s in sessions]
-        requeued, failed = self._scripts.requeue(keys=keys, args=args)
+        ((requeued, failed),) = self._runner.run(
+            durable([ScriptCall("requeue", keys, args)], self.durability))
         return int(requeued), int(failed)
 
 

@@ -9,7 +9,18 @@ import time
 import pytest
 import redis
 
-from broker.redis_conn import Outage, connect, is_outage
+from broker.redis_conn import (
+    MIN_REPLICAS_ENV,
+    NO_WAIT,
+    Durability,
+    NotReplicatedError,
+    Outage,
+    check_redis_url,
+    connect,
+    durability,
+    is_outage,
+    parse_redis_url,
+)
 
 log = logging.getLogger("test.outage")
 
@@ -81,6 +92,9 @@ def test_the_wait_between_tries_is_capped_so_recovery_is_quick():
     outage = Outage("unit", log)
     waits = [outage.failed(redis.ConnectionError("refused")) for _ in range(50)]
     assert max(waits) <= 0.5
+    # Thousands of failures (calls that give up at their deadline without waiting) do not
+    # overflow the backoff's 2**n.
+    assert max(outage.failed(redis.ConnectionError("refused")) for _ in range(5000)) <= 0.5
 
 
 def test_connect_uses_a_bounded_retry_and_timeouts():
@@ -92,3 +106,59 @@ def test_connect_uses_a_bounded_retry_and_timeouts():
         client.ping()
     assert time.monotonic() - started < 5  # a few quick retries, then the caller's loop decides
     client.close()
+
+
+def test_a_sentinel_url_names_the_sentinels_the_service_and_the_data_nodes_options():
+    t = parse_redis_url("redis+sentinel://:s3cret@h1:26380,h2,[::1]:26381/rb/2"
+                        "?socket_timeout=4&sentinel_password=sp&wait_timeout_ms=500")
+    assert t.sentinel and t.service == "rb"
+    assert t.sentinels == (("h1", 26380), ("h2", 26379), ("::1", 26381))
+    assert t.options == {"db": 2, "password": "s3cret", "socket_timeout": 4.0}
+    assert t.sentinel_options == {"password": "sp"}
+    assert t.durability == Durability(replicas=1, timeout_ms=500)  # Sentinel: wait for one
+
+
+def test_durable_writes_wait_for_replicas_only_when_asked(monkeypatch):
+    monkeypatch.delenv(MIN_REPLICAS_ENV, raising=False)
+    assert durability("redis://127.0.0.1:6379/0") == NO_WAIT  # plain Redis: nothing changes
+    plain = parse_redis_url("redis://h:1/0?min_replicas=2&socket_timeout=3")
+    assert plain.url == "redis://h:1/0?socket_timeout=3"  # ours are not redis-py's
+    assert plain.durability.replicas == 2
+    monkeypatch.setenv(MIN_REPLICAS_ENV, "0")
+    assert durability("redis+sentinel://h/rb").replicas == 0
+    assert durability("redis+sentinel://h/rb?min_replicas=3").replicas == 3  # the URL wins
+    monkeypatch.setenv(MIN_REPLICAS_ENV, "two")
+    with pytest.raises(ValueError, match=f"^{MIN_REPLICAS_ENV}: 'two' must be a whole number"):
+        check_redis_url("redis+sentinel://h/rb")
+
+
+@pytest.mark.parametrize(("url", "why"), [
+    ("redis+sentinel://h1:26379", "the path must be /<service name>"),
+    ("redis+sentinel:///rb", "no sentinel address"),
+    ("redis+sentinel://h1:port/rb", "sentinel h1 port: 'port' must be a whole number"),
+    ("redis+sentinel://h1/rb?colour=blue", "unknown parameter 'colour'"),
+    ("redis+sentinel://h1/rb?min_replicas=-1", "min_replicas: '-1' must be a whole number"),
+    ("redis+sentinel://h1/rb?wait_timeout_ms=0", "wait_timeout_ms: '0' must be a whole number"),
+    ("redis+sentinel://:pw@h1/rb/x", "db: 'x' must be a whole number"),
+])
+def test_a_bad_sentinel_url_is_one_line_naming_the_field(url, why):
+    with pytest.raises(ValueError) as err:
+        check_redis_url(url, field="redis_url")
+    msg = str(err.value)
+    assert msg.startswith("redis_url: ") and why in msg and "\n" not in msg
+    assert "pw" not in msg  # a password is never echoed
+
+
+def test_failover_errors_count_as_outages():
+    from redis.sentinel import MasterNotFoundError
+
+    for exc in (MasterNotFoundError("No master found for 'rb'"), NotReplicatedError("0 of 1"),
+                redis.exceptions.ReadOnlyError("READONLY You can't write against a replica."),
+                redis.ConnectionError("The previous master is now a slave"),
+                redis.ResponseError("NOREPLICAS Not enough good replicas to write."),
+                redis.ResponseError("Error running script (call to f_3bc5): @user_script:9: "
+                                    "@user_script: 9: -READONLY You can't write against a "
+                                    "read only replica."),
+                redis.ResponseError("UNBLOCKED force unblock from blocking operation, "
+                                    "instance state changed (master -> replica?)")):
+        assert is_outage(exc), exc
