@@ -32,6 +32,7 @@ and namespaces (RL jobs) spread over the shards. The clients are redis-py's `Red
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -83,10 +84,13 @@ def _port(host: str, raw: str) -> int:
     return port
 
 
-def _nodes(netloc: str) -> tuple[tuple[str, int], ...]:
-    nodes = []
+def address_list(netloc: str, default_port: int, what: str,
+                 port_of: Callable[[str, str], int]) -> tuple[tuple[str, int], ...]:
+    """`host[:port],[ipv6]:port,...` as (host, port) pairs; `port_of(host, raw)` reads a port
+    (cluster nodes here, sentinels in broker.redis_conn)."""
+    out = []
     for part in netloc.split(","):
-        host, port = part.strip(), str(DEFAULT_PORT)
+        host, port = part.strip(), str(default_port)
         if host.startswith("["):  # [IPv6]:port
             host, _, rest = host[1:].partition("]")
             if rest:
@@ -94,9 +98,9 @@ def _nodes(netloc: str) -> tuple[tuple[str, int], ...]:
         elif ":" in host:
             host, _, port = host.rpartition(":")
         if not host:
-            raise ValueError(f"cluster node {part.strip()!r} has no host")
-        nodes.append((host, _port(host, port)))
-    return tuple(nodes)
+            raise ValueError(f"{what} {part.strip()!r} has no host")
+        out.append((host, port_of(host, port)))
+    return tuple(out)
 
 
 def parse_cluster_url(url: str, own_params: tuple[str, ...] = ()) -> ClusterTarget:
@@ -133,7 +137,7 @@ def parse_cluster_url(url: str, own_params: tuple[str, ...] = ()) -> ClusterTarg
         else:
             known = ", ".join((*CLUSTER_OPTIONS, "client_name", *own_params))
             raise ValueError(f"unknown parameter {name!r} (known: {known})")
-    return ClusterTarget(nodes=_nodes(netloc), options=options, params=params)
+    return ClusterTarget(nodes=address_list(netloc, DEFAULT_PORT, "cluster node", _port), options=options, params=params)
 
 
 def _unavailable(exc: Exception) -> Exception:

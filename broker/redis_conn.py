@@ -48,7 +48,7 @@ from redis.exceptions import (
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.retry import Retry
 
-from broker.redis_cluster import (ClusterTarget, cluster_client, cluster_client_async,
+from broker.redis_cluster import (ClusterTarget, address_list, cluster_client, cluster_client_async,
                                   is_cluster_url, parse_cluster_url)
 
 T = TypeVar("T")
@@ -148,19 +148,8 @@ def _durability(params: dict[str, str], sentinel: bool) -> Durability:
 
 
 def _sentinel_hosts(netloc: str) -> tuple[tuple[str, int], ...]:
-    hosts = []
-    for part in netloc.split(","):
-        host, port = part.strip(), str(SENTINEL_PORT)
-        if host.startswith("["):  # [IPv6]:port
-            host, _, rest = host[1:].partition("]")
-            if rest:
-                port = rest.removeprefix(":")
-        elif ":" in host:
-            host, _, port = host.rpartition(":")
-        if not host:
-            raise ValueError(f"sentinel address {part.strip()!r} has no host")
-        hosts.append((host, _whole(f"sentinel {host} port", port, 1)))
-    return tuple(hosts)
+    return address_list(netloc, SENTINEL_PORT, "sentinel address",
+                        lambda host, raw: _whole(f"sentinel {host} port", raw, 1))
 
 
 def _cluster_target(url: str) -> RedisTarget:
