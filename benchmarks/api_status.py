@@ -57,8 +57,6 @@ def fill(url: str, ns: str, pending: int) -> None:
     r.hset(k.consumed, mapping={"rlvr": 5000, "rlhf": 2900, "agentic": 2100})
     r.hset(k.kv_seconds, mapping={"rlvr": 1e9, "n:rlvr": 5100, "rlhf": 1e8, "n:rlhf": 3000,
                                   "agentic": 5e8, "n:agentic": 2150})
-    body = Session(session_id="x", workload="rlvr", prompt_token_ids=list(range(1, 65)),
-                   max_tokens=1024).model_dump_json()
     for b in range(BACKENDS):
         bid = f"gpu-{b}"
         WorkerLink(url, ns, bid).register(700_000, 32768)
@@ -68,7 +66,7 @@ def fill(url: str, ns: str, pending: int) -> None:
         pipe.hset(k.ledger(bid), mapping={"reserved": 1088 * RESIDENT,
                                           **{f"w:{w}": 1088 * RESIDENT // 3 for w in WORKLOADS}})
         for sid in sids:
-            pipe.xadd(k.admitted(bid), {"sid": sid, "reserved": 1088, "session": body})
+            pipe.xadd(k.admitted(bid), {"sid": sid, "reserved": 1088})  # (as admit.lua writes)
         pipe.execute()
     r.close()
 

@@ -13,8 +13,9 @@ and the fleet simulator's cost against engine count. One table; `--json PATH` wr
    default) and least_loaded. Targets: >= 5,000 sessions/s, decide() median <= 5 ms.
 2. memory: Redis `used_memory` growth per pending session after enqueueing N sessions through
    `RolloutClient.enqueue`, for a 150-token and a 3,700-token prompt (token ids below 128,256),
-   and MEMORY USAGE of the pending-stream entry and of the session hash (each holds the session
-   JSON). Target: <= 1 KB per pending session. Then 1,000,000 pending 150-token sessions (about
+   and MEMORY USAGE of the pending-stream entry, the session hash and the body key (the session
+   stored once, compact: broker/body.py), and the stored body's length next to the full JSON's.
+   Target: <= 1 KB per pending session. Then 1,000,000 pending 150-token sessions (about
    3.2 GiB of Redis) are enqueued in batches of 5,000 (the time is reported), 16 backends of
    700k KV tokens heartbeat, and a `rollout-broker broker` process serves the namespace: its RSS
    once it has called decide() 20 times (it admits until the ledgers are full, then decides on
@@ -63,6 +64,7 @@ import httpx
 import redis
 import yaml
 
+from broker.body import dump_body
 from broker.client import RolloutClient
 from broker.heartbeat import EngineMetrics
 from broker.keys import Keys
@@ -336,7 +338,9 @@ def bench_memory(url: str, prompt_tokens: int, n: int) -> dict[str, float]:
     stream = int(r.memory_usage(k.pending(workload), samples=0))
     picks = random.Random(3).sample(range(n), min(200, n))
     hashes = [int(r.memory_usage(k.session(f"m{i}"), samples=0)) for i in picks]
-    body = len(sessions("m", 0, 1, pool, workload)[0].model_dump_json())
+    bodies = [int(r.memory_usage(k.body(f"m{i}"), samples=0) or 0) for i in picks]
+    one = sessions("m", 0, 1, pool, workload)[0]
+    body = len(one.model_dump_json())
     client.close()
     wipe(r, ns)
     r.close()
@@ -347,6 +351,8 @@ def bench_memory(url: str, prompt_tokens: int, n: int) -> dict[str, float]:
         "bytes_per_pending": per,
         "stream_bytes_per_entry": stream / (n + GROUP),
         "hash_bytes_per_session": statistics.mean(hashes),
+        "body_key_bytes_per_session": statistics.mean(bodies),
+        "stored_body_bytes": len(dump_body(one)),
         "session_json_bytes": body,
         "session_json_compact_bytes": len(sessions("m", 0, 1, pool, workload)[0]
                                           .model_dump_json(exclude_defaults=True)),
@@ -619,7 +625,9 @@ def table(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                      met("decide_median_ms", a["steady_decide_median_ms"])))
     for m in report.get("memory", {}).values():
         split = (f"{m['bytes_per_pending']:,.0f} B (stream {m['stream_bytes_per_entry']:,.0f} + "
-                 f"hash {m['hash_bytes_per_session']:,.0f}; JSON {m['session_json_bytes']:,})")
+                 f"hash {m['hash_bytes_per_session']:,.0f} + "
+                 f"body key {m.get('body_key_bytes_per_session', 0):,.0f}; stored body "
+                 f"{m.get('stored_body_bytes', 0):,} B, full JSON {m['session_json_bytes']:,})")
         rows.append((f"Redis per pending, {m['prompt_tokens']}-token prompt", split, "<= 1 KB",
                      met("redis_bytes_per_pending", m["bytes_per_pending"])))
     mm = report.get("million")

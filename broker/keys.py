@@ -73,8 +73,13 @@ class Keys:
 
     # -- per-session state ----------------------------------------------------------------------
     def session(self, session_id: str) -> str:
-        """Hash: state, session JSON, workload, timestamps, backend, reservation."""
+        """Hash: state, workload, timestamps, queue entry ids, backend, reservation (small
+        fields only, so Redis keeps it a listpack; the body is at `body`)."""
         return f"{self.prefix}session:{_check('session_id', session_id, _SESSION_RE)}"
+
+    def body(self, session_id: str) -> str:
+        """String: the session's body, stored once (broker/body.py), written with its hash."""
+        return f"{self.prefix}body:{_check('session_id', session_id, _SESSION_RE)}"
 
     # -- ledger, backends, heartbeats -----------------------------------------------------------
     def ledger(self, backend_id: str) -> str:

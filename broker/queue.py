@@ -1,10 +1,16 @@
 """Session queues: enqueue into `pending:<w>`, decode entries, dead-letter what cannot be read.
 
-Stream entries carry `sid` and `session` (the Session as JSON). The per-session hash
-`rb:{ns}:session:<sid>` is the source of truth for where a session is:
-`state` (pending → admitted → running → done | failed | cancelled), `session`, `workload`,
+A session's body is stored once, in `rb:{ns}:body:<sid>` (compact JSON, broker/body.py). Queue
+entries carry only what finds it: `sid` (pending), `sid` and `enqueued_at` (requeue), `sid` and
+`reserved` (admitted); readers fetch the bodies of a batch of entries in one pipelined round trip
+(`read_bodies`). The per-session hash `rb:{ns}:session:<sid>` is the source of truth for where
+a session is: `state` (pending → admitted → running → done | failed | cancelled), `workload`,
 `enqueued_at`, `pending_entry`; after admission `backend`, `reserved`, `admitted_at`,
 `admitted_entry`; `running_at`, `finished_at`, `requeued_at` as they happen.
+
+Earlier versions kept the body twice: as a `session` field of every queue entry and of the hash.
+Such entries are still read (their body is in the entry), and such a hash's `session` field is
+read where the body key is missing; a requeue moves it to the body key.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import redis
 from pydantic import ValidationError
 
 from broker.keys import BROKER_GROUP, Keys
+from broker.body import dump_body, load_body
 from broker.ledger import EnqueueLimits
 from broker.plans import Plan, Runner, ScriptCall, durable, script
 from broker.redis_conn import NO_WAIT, Durability
@@ -108,8 +115,8 @@ def enqueue(keys: Keys, sessions: Sequence[Session], now: float | None = None,
         skeys: list[str] = []
         args: list[Any] = [repr(now)]
         for s in chunk:
-            skeys += [keys.session(s.session_id), keys.pending(s.workload)]
-            args += [s.session_id, s.workload, s.model_dump_json()]
+            skeys += [keys.session(s.session_id), keys.pending(s.workload), keys.body(s.session_id)]
+            args += [s.session_id, s.workload, dump_body(s)]
         (flags,) = yield from durable([ScriptCall("enqueue", skeys, args)], durability)
         new += [s.session_id for s, f in zip(chunk, flags) if int(f) == 1]
     return new
@@ -166,18 +173,71 @@ class PendingEntry:
     enqueued_at: float  # unix seconds when the trainer enqueued it
 
 
+def entry_body(fields: Mapping) -> bytes | str | None:
+    """The body an entry carries itself: only an entry written by an earlier version has one."""
+    return fields.get(b"session", fields.get("session"))
+
+
+def entry_sid(fields: Mapping) -> str | None:
+    """The entry's session id when it is one a key can be built from, else None."""
+    sid = fields.get(b"sid", fields.get("sid"))
+    if sid is None:
+        return None
+    sid = as_text(sid)
+    return sid if SESSION_ID_RE.match(sid) else None
+
+
+def read_bodies(client: redis.Redis, keys: Keys, sids: Sequence[str]) -> list[bytes | None]:
+    """The stored bodies of `sids` (None where there is none), in one pipelined round trip; a
+    second one only for sessions enqueued by an earlier version, whose body is in their hash."""
+    if not sids:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for sid in sids:
+        pipe.get(keys.body(sid))
+    bodies: list[bytes | None] = list(pipe.execute())
+    missing = [i for i, b in enumerate(bodies) if b is None]
+    if missing:
+        pipe = client.pipeline(transaction=False)
+        for i in missing:
+            pipe.hget(keys.session(sids[i]), "session")
+        for i, b in zip(missing, pipe.execute()):
+            bodies[i] = b
+    return bodies
+
+
+def with_bodies(client: redis.Redis, keys: Keys, entries: Sequence[Mapping]) -> list[Mapping]:
+    """The fields of queue entries, each entry that carries no body given its stored one as a
+    `session` field (fetched in one round trip for all of them), so that `decode_entry` and
+    `dead_letter` see it whichever version wrote the entry."""
+    need = [i for i, f in enumerate(entries) if f and entry_body(f) is None
+            and entry_sid(f) is not None]
+    out = list(entries)
+    if need:
+        bodies = read_bodies(client, keys, [entry_sid(entries[i]) or "" for i in need])
+        for i, body in zip(need, bodies):
+            if body is not None:
+                out[i] = {**entries[i], b"session": body}
+    return out
+
+
 def decode_entry(stream: str, entry_id: str, fields: Mapping) -> PendingEntry | str:
-    """The entry, or the reason it cannot be read (the caller dead-letters it).
+    """The entry, or the reason it cannot be read (the caller dead-letters it). `fields` hold
+    its body as `session` (`with_bodies` adds the stored one to an entry that has none).
 
     Fields arrive with bytes keys from a client that does not decode responses."""
     sid = fields.get(b"sid", fields.get("sid"))
-    body = fields.get(b"session", fields.get("session"))
-    if sid is None or body is None:
-        return "entry has no 'sid' or no 'session' field"
+    body = entry_body(fields)
+    if sid is None:
+        return "entry has no 'sid' field"
+    if body is None:
+        return f"session {as_text(sid)!r} has no stored body"
     try:
-        session = Session.model_validate_json(body)
+        session = load_body(body)
     except ValidationError as exc:
         return f"session JSON does not validate: {_first_error(exc, 'session')}"
+    except ValueError as exc:
+        return f"session JSON does not parse: {exc}"
     if session.session_id != as_text(sid):
         return f"sid {as_text(sid)!r} does not match session_id {session.session_id!r}"
     # A pending entry's id is its enqueue time (ms); a requeued one carries the original time.

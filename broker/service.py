@@ -42,10 +42,11 @@ from broker.lease import Lease
 from broker.policies import check_live_policy, make_policy
 from broker.policies.base import Completion, Decision, PendingItem, Policy
 from broker.plans import Cmd, Runner, ScriptCall, durable
-from broker.queue import PendingEntry, SessionQueue, decode_entry
+from broker.body import load_body
+from broker.queue import PendingEntry, SessionQueue, decode_entry, with_bodies
 from broker.redis_conn import Outage, connect, durability, is_outage
 from broker.scripts import Scripts
-from broker.session import Session, SessionResult, SessionState
+from broker.session import SessionResult, SessionState
 from broker.snapshot import (
     FleetRead,
     ResidentMeta,
@@ -213,7 +214,8 @@ class BrokerService:
 
     def _claim_backlog(self, stream: str, front: bool) -> None:
         for entries in self._autoclaim(stream):
-            for entry_id, fields in entries:
+            bodied = with_bodies(self._client, self.keys, [f for _, f in entries])
+            for (entry_id, _), fields in zip(entries, bodied):
                 self._hold(stream, entry_id, fields, front)
 
     def _autoclaim(self, stream: str) -> Iterator[list[tuple[bytes, Mapping]]]:
@@ -273,6 +275,8 @@ class BrokerService:
         reply = self._client.xreadgroup(BROKER_GROUP, self.consumer, streams,
                                         count=self.settings.read_count, block=block_ms)
         events: list[bytes] = []
+        read: list[tuple[str, bool, bytes]] = []
+        fields_read: list[Mapping] = []
         for stream_b, entries in reply or []:
             stream = as_text(stream_b)
             if stream == self.keys.events:
@@ -280,7 +284,12 @@ class BrokerService:
                 continue
             front = stream.startswith(self.keys.prefix + "requeue:")
             for entry_id, fields in entries:
-                self._hold(stream, entry_id, fields, front)
+                read.append((stream, front, entry_id))
+                fields_read.append(fields)
+        # The entries carry ids; their bodies come in one more round trip for all of them.
+        for (stream, front, entry_id), fields in zip(
+                read, with_bodies(self._client, self.keys, fields_read)):
+            self._hold(stream, entry_id, fields, front)
         fleet = self._read_fleet(events)
         self._refresh_workloads(fleet.workloads)
         if not self._reap_dead(fleet):
@@ -322,10 +331,13 @@ class BrokerService:
             return
         pipe = self._client.pipeline(transaction=False)
         for sid in missing:
+            pipe.get(self.keys.body(sid))
+            # ('session': the body of a session enqueued by an earlier version)
             pipe.hmget(self.keys.session(sid), "session", "admitted_at")
-        for sid, (body, admitted_at) in zip(missing, pipe.execute()):
+        replies = pipe.execute()
+        for sid, body, (old_body, admitted_at) in zip(missing, replies[::2], replies[1::2]):
             try:
-                self._meta[sid] = resident_meta(Session.model_validate_json(body),
+                self._meta[sid] = resident_meta(load_body(body or old_body or b""),
                                                 float(admitted_at or 0.0))
             except (TypeError, ValueError):  # unreadable hash: the view leaves it out
                 self._unreadable.add(sid)  # logged once, not re-read on every event
@@ -390,7 +402,7 @@ class BrokerService:
             for sid, w in zip(chunk, workloads):
                 # A session hash without a workload cannot be requeued; the script still
                 # releases its reservation (the requeue key is then never written).
-                keys += [k.session(sid), k.requeue(w or "unknown")]
+                keys += [k.session(sid), k.requeue(w or "unknown"), k.body(sid)]
                 args.append(sid)
             reply = self._scripts.requeue(keys=keys, args=args)
             if as_text(reply) == "lease":

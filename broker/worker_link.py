@@ -32,10 +32,12 @@ from dataclasses import dataclass
 import redis
 from pydantic import BaseModel, ConfigDict, Field
 
+from broker.body import dump_body, load_body
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S, EngineMetrics, HeartbeatRecord, SessionProgress
 from broker.keys import WORKERS_GROUP, Keys, check_backend_id
 from broker.ledger import Ledger
 from broker.plans import Runner, ScriptCall, durable
+from broker.queue import with_bodies
 from broker.redis_conn import connect, durability
 from broker.scripts import Scripts
 from broker.session import Session, SessionResult, SessionState
@@ -141,16 +143,19 @@ class WorkerLink:
         self._cursor.advance(entries, count)
         if backlog and not entries:  # the backlog is empty: wait for new ones
             return self.read_admitted(count, block_ms)
-        out = []
+        live = []
         for entry_id, fields in entries:
             if not fields:  # finished or cancelled meanwhile: the scripts deleted the entry
                 self._client.xack(stream, WORKERS_GROUP, entry_id)
                 continue
-            f = {as_text(k): v for k, v in fields.items()}
-            out.append(AdmittedSession(entry_id=as_text(entry_id),
-                                       session=Session.model_validate_json(f["session"]),
-                                       reserved_tokens=int(f["reserved"])))
-        return out
+            live.append((entry_id, fields))
+        # An entry carries the id; the bodies come in one round trip for the batch (an entry an
+        # earlier version wrote still carries its own).
+        return [AdmittedSession(entry_id=as_text(entry_id), session=load_body(f[b"session"]),
+                                reserved_tokens=int(f[b"reserved"]))
+                for (entry_id, _), f in zip(live, with_bodies(
+                    self._client, self.keys, [{_as_bytes(k): v for k, v in fields.items()}
+                                              for _, fields in live]))]
 
     def mark_running(self, session_id: str, now: float | None = None) -> bool:
         """True: run it. False: it was cancelled, finished or moved away; drop it."""
@@ -171,7 +176,7 @@ class WorkerLink:
         session no longer runs here."""
         return int(self._scripts.checkpoint(
             keys=[self.keys.session(session.session_id)],
-            args=[self.backend_id, session.model_dump_json(exclude_defaults=True)])) == 1
+            args=[self.backend_id, dump_body(session)])) == 1
 
     def finish(self, result: SessionResult, stats: CompletionStats | None = None,
                now: float | None = None) -> str:
@@ -219,14 +224,18 @@ class WorkerLink:
         keys = [k.lease, k.heartbeat(b), k.ledger(b), k.ledger_sessions(b), k.admitted(b),
                 k.events, k.results]
         for s in sessions:
-            keys += [k.session(s.session_id), k.requeue(s.workload)]
+            keys += [k.session(s.session_id), k.requeue(s.workload), k.body(s.session_id)]
         args = ["", b, repr(time.time() if now is None else now), why, "any",
                 *(s.session_id for s in sessions)]
         if replace_body:
-            args += [s.model_dump_json(exclude_defaults=True) for s in sessions]
+            args += [dump_body(s) for s in sessions]
         ((requeued, failed),) = self._runner.run(
             durable([ScriptCall("requeue", keys, args)], self.durability))
         return int(requeued), int(failed)
+
+
+def _as_bytes(name: bytes | str) -> bytes:
+    return name if isinstance(name, bytes) else name.encode()
 
 
 class NotRegistered(RuntimeError):

@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Path
-from pydantic import ValidationError
 
 from api.deps import AuthDep, ClientDep, KeysDep, RedisDep
 from api.errors import ApiError, from_value_error
 from api.limits import TOO_LARGE
 from api.models import CancelPublic, EnqueuePublic, ErrorPublic, SessionBatchIn, SessionPublic
-from broker.session import Session, SessionState
+from broker.body import load_body
+from broker.session import SessionState
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
@@ -50,9 +50,11 @@ async def get_session(session_id: SessionId, redis: RedisDep, keys: KeysDep) -> 
         state = SessionState(f["state"].decode())
     except (KeyError, ValueError):
         raise ApiError(404, "session_id", f"no session {session_id!r} in this namespace") from None
+    # The body is in its own key; a session enqueued by an earlier version keeps it in the hash.
+    body = f.get("session") or await redis.get(keys.body(session_id))
     try:
-        session = Session.model_validate_json(f["session"]) if "session" in f else None
-    except ValidationError:
+        session = load_body(body) if body is not None else None
+    except ValueError:
         session = None
     reserved = f.get("reserved")
     return SessionPublic(

@@ -14,6 +14,8 @@
 -- reserved == sum of the backend's per-session reservations == sum of its w:<workload> fields,
 -- and the session is in exactly one place: acked+deleted from its source stream, present in
 -- admitted:<b>, state 'admitted'. After a refusal nothing has changed (except a stale ack).
+-- The admitted entry carries no body: the worker reads it from rb:{ns}:body:<sid> (or, for a
+-- session enqueued by an earlier version, from its hash's 'session' field).
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 'lease'
 end
@@ -42,11 +44,10 @@ if ARGV[7] ~= '0' and reserved + charge > math.floor(alpha * capacity) then
 end
 local sid = ARGV[2]
 local workload = redis.call('HGET', KEYS[2], 'workload')
-local body = redis.call('HGET', KEYS[2], 'session')
 redis.call('HINCRBY', KEYS[3], 'reserved', charge)
 redis.call('HINCRBY', KEYS[3], 'w:' .. workload, charge)
 redis.call('HSET', KEYS[4], sid, charge)
-local eid = redis.call('XADD', KEYS[6], '*', 'sid', sid, 'reserved', charge, 'session', body)
+local eid = redis.call('XADD', KEYS[6], '*', 'sid', sid, 'reserved', charge)
 redis.call('XACK', KEYS[7], 'broker', ARGV[5])
 redis.call('XDEL', KEYS[7], ARGV[5])
 redis.call('HSET', KEYS[2], 'state', 'admitted', 'backend', ARGV[3], 'reserved', charge,

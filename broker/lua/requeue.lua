@@ -2,11 +2,12 @@
 -- KEYS[1] = rb:{ns}:lease   KEYS[2] = rb:{ns}:hb:<b>   KEYS[3] = rb:{ns}:ledger:<b>
 -- KEYS[4] = rb:{ns}:ledger:<b>:sessions   KEYS[5] = rb:{ns}:admitted:<b>
 -- KEYS[6] = rb:{ns}:events   KEYS[7] = rb:{ns}:results
--- KEYS[6+2i] = rb:{ns}:session:<sid_i>    KEYS[7+2i] = rb:{ns}:requeue:<workload_i>
+-- KEYS[5+3i] = rb:{ns}:session:<sid_i>    KEYS[6+3i] = rb:{ns}:requeue:<workload_i>
+-- KEYS[7+3i] = rb:{ns}:body:<sid_i>
 -- ARGV[1] = the broker's lease token, or '' when the backend's own worker hands sessions back
 -- ARGV[2] = backend id   ARGV[3] = now   ARGV[4] = why (kept as the session's last_error)
 -- ARGV[5] = 'dead' (only if the backend's heartbeat is gone) or 'any'   ARGV[5+i] = sid_i
--- ARGV[5+n+i] (optional) = a new session body for sid_i ('' keeps it): a draining worker's
+-- ARGV[5+n+i] (optional) = a new stored body for sid_i ('' keeps it): a draining worker's
 -- session with the output it had generated (`resume_from`), so it goes on from there. Without
 -- one, the session's last checkpoint (checkpoint.lua: its finished turns) is the body.
 -- The broker passes its token (returns 'lease' unless it holds the lease): 'dead' for a
@@ -20,7 +21,9 @@
 -- was running counts an attempt; if that reaches the session's max_attempts it ends 'failed'
 -- with one published result naming why, else it goes to the front of its workload (the requeue
 -- stream) as 'pending', keeping its original enqueue time, with requeued_from = b so a late
--- finish from b is still accepted while nobody else has it (see finish.lua).
+-- finish from b is still accepted while nobody else has it (see finish.lua). Its requeue entry
+-- carries the id and enqueue time only; the body stays in (or, for a session enqueued by an
+-- earlier version, moves from the hash's 'session' field to) rb:{ns}:body:<sid>.
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 'lease'
 end
@@ -29,9 +32,9 @@ if dead and redis.call('EXISTS', KEYS[2]) == 1 then
   return 'alive'
 end
 local requeued, failed = 0, 0
-local n = (#KEYS - 7) / 2
+local n = (#KEYS - 7) / 3
 for i = 1, n do
-  local skey, rkey, sid = KEYS[6 + 2 * i], KEYS[7 + 2 * i], ARGV[5 + i]
+  local skey, rkey, bkey, sid = KEYS[5 + 3 * i], KEYS[6 + 3 * i], KEYS[7 + 3 * i], ARGV[5 + i]
   local st = redis.call('HMGET', skey, 'state', 'backend', 'workload', 'session', 'enqueued_at',
     'admitted_entry', 'attempts', 'checkpoint')
   local body = ARGV[5 + n + i]
@@ -55,11 +58,18 @@ for i = 1, n do
     if st[1] == 'running' then
       attempts = attempts + 1
     end
+    local stored = redis.call('GET', bkey)
     if body and body ~= '' then
-      st[4] = body
-      redis.call('HSET', skey, 'session', body)
+      stored = body
+      redis.call('SET', bkey, body)
+    elseif not stored and st[4] then
+      stored = st[4]
+      redis.call('SET', bkey, stored)
     end
-    local ok, session = pcall(cjson.decode, st[4])
+    if st[4] then
+      redis.call('HDEL', skey, 'session')
+    end
+    local ok, session = pcall(cjson.decode, stored or '')
     local max_attempts = 3
     if ok and type(session) == 'table' and tonumber(session.max_attempts) then
       max_attempts = tonumber(session.max_attempts)
@@ -81,8 +91,7 @@ for i = 1, n do
         'last_error', ARGV[4])
       failed = failed + 1
     else
-      local id = redis.call('XADD', rkey, '*', 'sid', sid, 'session', st[4],
-        'enqueued_at', st[5] or ARGV[3])
+      local id = redis.call('XADD', rkey, '*', 'sid', sid, 'enqueued_at', st[5] or ARGV[3])
       redis.call('HSET', skey, 'state', 'pending', 'pending_entry', id, 'requeued_at', ARGV[3],
         'requeued_from', ARGV[2], 'attempts', attempts, 'last_error', ARGV[4])
       requeued = requeued + 1

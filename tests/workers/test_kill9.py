@@ -9,6 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from broker.body import load_body
 from broker.client import RolloutClient
 from broker.keys import Keys
 from broker.policies import make_policy
@@ -96,7 +97,7 @@ def test_a_killed_worker_loses_no_turn_its_sessions_finished(redis_url, namespac
         for s in sessions:
             body = redis_client.hget(k.session(s.session_id), "checkpoint")
             if body is not None:
-                out[s.session_id] = Session.model_validate_json(body)
+                out[s.session_id] = load_body(body)
         return out
 
     with broker_and_trainer(redis_url, namespace, procs) as client:
