@@ -15,10 +15,19 @@ sessions when it chooses to; the session's later turns run on the same backend.
 The event loop takes, at each iteration, the earliest of: an engine's next segment end
 (`EngineCore.next_event_time`), a tool return, a reward/test completion, a heartbeat. The
 policy is asked after every batch of events at one instant that changed what it could decide.
+
+The loop's own cost per event does not grow with the fleet: the engines' next event times are
+kept in a heap (each engine reports, through `EngineCore.on_change`, every call that may move
+its time; stale heap entries are dropped when they surface), the snapshot reuses each backend's
+`BackendView` until its resident sessions, telemetry or α change, and the pending ids, the
+engines with unfinished requests and the ledger entries a decision touches are kept or found
+without a scan. `check=True` compares each of these with a full scan, on every event and every
+decide (the tests run it: tests/sim/test_fleet_index.py).
 """
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 import time
@@ -114,8 +123,16 @@ class FleetResult:
 
 class FleetSim:
     def __init__(self, scenario: Scenario, policy: Policy | None, source: SessionSource, *,
-                 on_iteration: Callable[[IterationRecord], None] | None = None) -> None:
+                 on_iteration: Callable[[IterationRecord], None] | None = None,
+                 check: bool = False) -> None:
+        """`check=True` compares the next-event heap with a scan of every engine on every
+        event, the cached backend views with fresh ones, the pending-id set with the queues and
+        the decision applied to the ledger entries it touches with it applied to a copy of the
+        whole ledger on every decide, and the engines with unfinished requests with a scan
+        during a pause; it raises SimulationError("check: ...") at the first difference (slow;
+        for tests)."""
         self.scenario = scenario
+        self.check = check
         self.policy = policy
         self.heartbeat_s = scenario.telemetry.heartbeat_s
         self.lag_s = scenario.telemetry.lag_s
@@ -138,6 +155,7 @@ class FleetSim:
         self.live: dict[str, _Live] = {}
         self.by_request: dict[str, _Live] = {}
         self.pending: dict[str, deque[PendingItem]] = {w: deque() for w in scenario.mixture}
+        self._pending_ids: set[str] = set()  # the session ids in `pending`
         # The ledger as the live broker keeps it: resident sessions per backend as the policy
         # sees them (reservations at once, progress as the last delivered heartbeat said),
         # α per backend; and each resident session's progress as it truly is now.
@@ -167,6 +185,23 @@ class FleetSim:
         self._held: list[_Live] = []  # turns submitted while paused: they start on resume
         self._update_totals = {"updates": 0, "paused_s": 0.0, "drain_s": 0.0, "tokens_kept": 0,
                                "tokens_thrown_away": 0, "reprefill_tokens": 0}
+        # The engines' next event times: the time each engine reports now (None: nothing to
+        # do), and a heap of (time, engine id) with an entry for each; entries whose time is
+        # no longer the engine's are stale and dropped when they reach the top. Ties go to the
+        # smaller engine id, as a scan with min() over (time, id) gives.
+        self._next_at: dict[str, float | None] = {}
+        self._engine_heap: list[tuple[float, str]] = []
+        self._unfinished: set[str] = set()  # engines with unfinished requests (has_unfinished)
+        for b, engine in self.engines.items():
+            self._next_at[b] = None
+            engine.on_change = self._engine_notifier(b)
+            self._engine_changed(b)
+        # The backend views of the last snapshot (in engine order), and the backends whose
+        # view must be built again: their resident sessions, telemetry or α changed.
+        self._view_pos = {b: i for i, b in enumerate(self.engines)}
+        self._views: list[BackendView | None] = [None] * len(self.engines)
+        self._views_tuple: tuple[BackendView, ...] | None = None
+        self._stale_views: set[str] = set(self.engines)
 
     def true_output_lengths(self, session_id: str) -> tuple[int, ...]:
         """The hidden truth, for the `misa_t-true-lengths` reference only (the bench wires it in)."""
@@ -184,10 +219,7 @@ class FleetSim:
         self._maybe_decide()
         idle_beats = 0
         while not self.trainer.done:
-            t_eng, eng_id = min(
-                ((t, b) for b, e in self.engines.items() if (t := e.next_event_time()) is not None),
-                default=(float("inf"), ""),
-            )
+            t_eng, eng_id = self._next_engine_event()
             t_ext = self._events[0][0] if self._events else float("inf")
             t = min(t_eng, t_ext)
             if t > limits.max_sim_time_s or time.monotonic() - wall0 > limits.max_wall_s:
@@ -239,6 +271,37 @@ class FleetSim:
     def _schedule(self, at: float, kind: int, sid: str) -> None:
         heapq.heappush(self._events, (at, kind, next(self._seq), sid))
 
+    # -- the engines' next event times -------------------------------------------------------
+    def _engine_notifier(self, b: str) -> Callable[[], None]:
+        return lambda: self._engine_changed(b)
+
+    def _engine_changed(self, b: str) -> None:
+        """Engine `b` may have a new next event time (`EngineCore.on_change`)."""
+        engine = self.engines[b]
+        if engine.has_unfinished():
+            self._unfinished.add(b)
+        else:
+            self._unfinished.discard(b)
+        t = engine.next_event_time()
+        if t != self._next_at[b]:
+            self._next_at[b] = t
+            if t is not None:
+                heapq.heappush(self._engine_heap, (t, b))
+
+    def _next_engine_event(self) -> tuple[float, str]:
+        """(time, engine id) of the earliest engine event, (inf, "") when no engine has one."""
+        heap, next_at = self._engine_heap, self._next_at
+        while heap and next_at[heap[0][1]] != heap[0][0]:
+            heapq.heappop(heap)  # stale: the engine's time has moved since
+        found = heap[0] if heap else (float("inf"), "")
+        if self.check:
+            scan = min(((t, b) for b, e in self.engines.items() if (t := e.next_event_time()) is not None),
+                       default=(float("inf"), ""))
+            if scan != found:
+                raise SimulationError(f"check: the next-event heap gives {found}, a scan of the "
+                                      f"engines {scan} (at {self.now})")
+        return found
+
     # -- the trainer side ------------------------------------------------------------------
     def _enqueue_from_trainer(self) -> None:
         for sim in self.trainer.enqueue(self.now):
@@ -265,6 +328,7 @@ class FleetSim:
             max_tokens=s.max_tokens - len(live.partial), max_turns=s.max_turns, turn=turn,
             home_backend=live.backend if turn else None, enqueued_at=self.now,
         ))
+        self._pending_ids.add(s.session_id)
         self._dirty = True
 
     # -- the policy ------------------------------------------------------------------------
@@ -275,7 +339,7 @@ class FleetSim:
         snapshot = Snapshot(
             now=self.now,
             pending={w: tuple(q) for w, q in self.pending.items()},
-            backends=tuple(self._backend_view(b) for b in self.engines),
+            backends=self._backend_views(),
             mixture_target=self.trainer.mixture,
             consumed=dict(self.trainer.consumed),
             new_completions=tuple(self.completions),
@@ -283,6 +347,22 @@ class FleetSim:
         self.completions = []
         self.decide_calls += 1
         self._apply(self.policy.decide(snapshot))
+
+    def _backend_views(self) -> tuple[BackendView, ...]:
+        """Every backend's view, in engine order: the last decide's, but built again for the
+        backends marked stale since."""
+        if self._stale_views or self._views_tuple is None:
+            views = self._views
+            for b in self._stale_views:
+                views[self._view_pos[b]] = self._backend_view(b)
+            self._stale_views.clear()
+            self._views_tuple = tuple(views)
+        if self.check:
+            fresh = tuple(self._backend_view(b) for b in self.engines)
+            if fresh != self._views_tuple:
+                wrong = [f.backend_id for f, v in zip(fresh, self._views_tuple) if f != v]
+                raise SimulationError(f"check: stale backend views for {wrong} (at {self.now})")
+        return self._views_tuple
 
     def _backend_view(self, b: str) -> BackendView:
         engine = self.engines[b]
@@ -295,17 +375,24 @@ class FleetSim:
     def _apply(self, decision: Decision) -> None:
         """The broker's rule (`broker.decision.apply_decision`): α, then recharges, then the
         admissions the ledger has room for; a refused admission stays pending."""
-        pending_ids = {p.session_id for q in self.pending.values() for p in q}
+        if self.check and self._pending_ids != {p.session_id for q in self.pending.values() for p in q}:
+            raise SimulationError(f"check: the pending-id set differs from the pending queues (at {self.now})")
+        placed: set[str] = set()
         for adm in decision.admissions:
             live = self.live.get(adm.session_id)
             if live is None or adm.backend_id not in self.engines:
                 raise SimulationError(f"policy {self.policy.name!r} admitted unknown "
                                       f"session {adm.session_id!r} or backend {adm.backend_id!r}")
-            if adm.session_id not in pending_ids:
+            if adm.session_id not in self._pending_ids or adm.session_id in placed:
                 raise SimulationError(f"policy {self.policy.name!r} admitted a session that was not pending")
-            pending_ids.discard(adm.session_id)
-        applied = apply_decision(decision, self.ledger,
-                                 enforce=not self.policy.dispatch_on_arrival)
+            placed.add(adm.session_id)
+        enforce = not self.policy.dispatch_on_arrival
+        expected = apply_decision(decision, full := copy.deepcopy(self.ledger), enforce) if self.check else None
+        applied = apply_decision(decision, self._ledgers_for(decision), enforce)
+        if self.check and (applied != expected or self.ledger != full):
+            raise SimulationError(f"check: the decision applied to the ledger entries it touches "
+                                  f"differs from it applied to the whole ledger (at {self.now})")
+        self._stale_views.update(applied.alpha)
         for sid, (b, tokens) in applied.recharge.items():
             live = self.live[sid]
             live.reserved = tokens
@@ -313,6 +400,7 @@ class FleetSim:
             seen = self.resident[b].get(sid)
             if seen is not None:  # the ledger changes at once; progress waits for a beat
                 self.resident[b][sid] = replace(seen, reserved_tokens=tokens)
+                self._stale_views.add(b)
         admitted: dict[str, set[str]] = {}
         for adm in applied.admissions:
             live = self.live[adm.session_id]
@@ -324,6 +412,22 @@ class FleetSim:
             self._submit_turn(live)
         for w, ids in admitted.items():
             self.pending[w] = deque(p for p in self.pending[w] if p.session_id not in ids)
+            self._pending_ids -= ids
+
+    def _ledgers_for(self, decision: Decision) -> dict[str, LedgerEntry]:
+        """The ledger entries `decision` can touch, in engine order: those of its α changes, of
+        its admissions, and of the backends its recharged sessions are charged on. A session is
+        charged on one backend at most, its `_Live.backend` (it is released before it is pending
+        again), so `apply_decision` reads the same entries as from the whole ledger without
+        indexing every resident session of the fleet on every decide."""
+        touched = set(decision.alpha)
+        touched.update(adm.backend_id for adm in decision.admissions)
+        for sid in decision.recharge:
+            live = self.live.get(sid)
+            if live is not None and live.backend is not None:
+                touched.add(live.backend)
+        pos = self._view_pos
+        return {b: self.ledger[b] for b in sorted(touched & pos.keys(), key=pos.__getitem__)}
 
     # -- sessions on engines ---------------------------------------------------------------
     def _submit_turn(self, live: _Live) -> None:
@@ -465,7 +569,9 @@ class FleetSim:
             self._check_paused()
 
     def _check_paused(self) -> None:
-        if not any(e.has_unfinished() for e in self.engines.values()):
+        if self.check and self._unfinished != {b for b, e in self.engines.items() if e.has_unfinished()}:
+            raise SimulationError(f"check: the set of engines with unfinished requests is stale (at {self.now})")
+        if not self._unfinished:
             if self.weight_update.clear_cache:
                 for engine in self.engines.values():
                     engine.reset_prefix_cache()
@@ -531,10 +637,12 @@ class FleetSim:
         seen = self.resident[live.backend]
         if self.lag_s == 0 or s.session_id not in seen:
             seen[s.session_id] = now
+            self._stale_views.add(live.backend)
 
     def _release(self, live: _Live) -> None:
         self.ledger[live.backend].release(live.sim.session_id)
-        self.resident[live.backend].pop(live.sim.session_id, None)
+        if self.resident[live.backend].pop(live.sim.session_id, None) is not None:
+            self._stale_views.add(live.backend)
         self._progress[live.backend].pop(live.sim.session_id, None)
         self._dirty = True
 
@@ -574,6 +682,7 @@ class FleetSim:
         """A heartbeat reaches the broker: its metrics, and the progress of the sessions that
         are still resident (with the ledger's reservation as it is now)."""
         self.telemetry.update(telemetry)
+        self._stale_views.update(telemetry)  # (and `progress` is of backends among these)
         for b, sessions in progress.items():
             seen = self.resident[b]
             for sid, rs in sessions.items():
