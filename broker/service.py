@@ -50,6 +50,7 @@ from broker.session import SessionResult, SessionState
 from broker.snapshot import (
     FleetRead,
     ResidentMeta,
+    ViewCache,
     build_snapshot,
     completion_from_entry,
     pending_item,
@@ -128,6 +129,7 @@ class BrokerService:
         # check, and on all of them when the version served or the bound changes.
         self._unchecked: list[tuple[dict[str, _Held], _Held]] = []
         self._stale_rule: tuple[int | None, int | None] | None = None
+        self._views = ViewCache()  # heartbeats parsed and resident views built last time
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> None:
@@ -301,11 +303,12 @@ class BrokerService:
         """The fleet in one round trip (two when a backend registered since the last read);
         new results become completions for the policy."""
         fleet = read_fleet(self._client, self.keys, self._backend_ids, self._last_result_id,
-                           ack_events or ())
+                           ack_events or (), self._views)
         self._take_completions(fleet)
         if fleet.backend_index != self._backend_ids:
             self._backend_ids = fleet.backend_index
-            fleet = read_fleet(self._client, self.keys, self._backend_ids, self._last_result_id)
+            fleet = read_fleet(self._client, self.keys, self._backend_ids, self._last_result_id,
+                               cache=self._views)
             self._take_completions(fleet)
         return fleet
 
@@ -368,7 +371,10 @@ class BrokerService:
             if hb is None or hb.sent_at is None or not led.sessions:
                 continue
             listed = {p.session_id for p in hb.sessions}
-            unlisted = [sid for sid in led.sessions if sid not in listed]
+            # One admitted after the cutoff cannot have been running longer than it.
+            since = hb.sent_at - cutoff
+            unlisted = [sid for sid in led.sessions if sid not in listed
+                        and (sid not in self._meta or self._meta[sid].admitted_at < since)]
             if not unlisted:
                 continue
             pipe = self._client.pipeline(transaction=False)
@@ -441,7 +447,7 @@ class BrokerService:
         if not any(pending.values()) and not completions:
             return 0
         now = time.time()
-        snap = build_snapshot(now, pending, fleet, self._meta, completions)
+        snap = build_snapshot(now, pending, fleet, self._meta, completions, self._views)
         t0 = time.perf_counter()
         decision = self.policy.decide(snap)
         metrics.DECIDE.observe(time.perf_counter() - t0)

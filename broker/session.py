@@ -149,7 +149,7 @@ class Session(BaseModel):
     prompt_text: StrictStr | None = None
     max_tokens: StrictInt
     max_turns: Annotated[StrictInt, Field(ge=1, le=1000)] = 1
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
     policy_version: Annotated[StrictInt, Field(ge=0)] = 0
     # Past the namespace's staleness bound before it is admitted (broker/weights.py): end
     # failed, or run on the weights the engines serve then.

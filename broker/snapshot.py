@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import redis
 
-from broker.heartbeat import HeartbeatRecord, parse_heartbeat
+from broker.heartbeat import HeartbeatRecord, SessionProgress, parse_heartbeat
 from broker.keys import BROKER_GROUP, Keys
 from broker.ledger import LedgerState, parse_ledger
 from broker.policies.base import (
@@ -22,6 +22,7 @@ from broker.policies.base import (
     PendingItem,
     ResidentSession,
     Snapshot,
+    Telemetry,
 )
 from broker.session import Session, SessionResult
 from broker.streams import as_text
@@ -42,11 +43,59 @@ class FleetRead:
     weights: WeightsState = NOT_UPDATED  # pause, version served and staleness bound
 
 
+class ViewCache:
+    """What the previous snapshot built, for the next one to reuse (the broker holds one):
+    a heartbeat whose stored bytes did not change is not parsed again, and a resident
+    session whose charge, progress and metadata did not change keeps its `ResidentSession`.
+    With hundreds of backends and tens of thousands of residents, building those anew on
+    every loop was most of the broker's time."""
+
+    def __init__(self) -> None:
+        self._beats: dict[str, _Beat] = {}
+        self._sessions: dict[str, ResidentSession] = {}
+        self._tuples: dict[str, tuple[ResidentSession, ...]] = {}  # per backend, last built
+
+    def heartbeat(self, backend_id: str, raw: bytes | None) -> HeartbeatRecord | None:
+        hit = self._beats.get(backend_id)
+        if hit is not None and raw is not None and hit.raw == raw:
+            return hit.record
+        record = parse_heartbeat(raw)
+        if record is None:
+            self._beats.pop(backend_id, None)
+        else:
+            self._beats[backend_id] = _Beat(raw, record, record.progress_by_session(),
+                                            record.telemetry())
+        return record
+
+    def beat(self, backend_id: str, record: HeartbeatRecord) -> _Beat:
+        hit = self._beats.get(backend_id)
+        if hit is None or hit.record is not record:
+            hit = _Beat(None, record, record.progress_by_session(), record.telemetry())
+            self._beats[backend_id] = hit
+        return hit
+
+    def keep_backends(self, backend_ids: Sequence[str]) -> None:
+        for b in set(self._beats) - set(backend_ids):
+            del self._beats[b]
+        for b in set(self._tuples) - set(backend_ids):
+            del self._tuples[b]
+
+
+@dataclass(frozen=True, slots=True)
+class _Beat:
+    raw: bytes | None
+    record: HeartbeatRecord
+    progress: Mapping[str, SessionProgress]
+    telemetry: Telemetry
+
+
 def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
-               results_after: str | None = None, ack_events: Sequence[bytes] = ()) -> FleetRead:
+               results_after: str | None = None, ack_events: Sequence[bytes] = (),
+               cache: ViewCache | None = None) -> FleetRead:
     """One round trip: the index sets, mixture, consumed, each listed backend's ledger and
     heartbeat, new results (if `results_after`), and the broker's ack of the events it woke on.
-    A caller whose `backend_ids` differ from the returned `backend_index` reads again."""
+    A caller whose `backend_ids` differ from the returned `backend_index` reads again. With a
+    `cache`, unchanged heartbeats are not parsed again."""
     pipe = client.pipeline(transaction=True)
     pipe.smembers(keys.backends)
     pipe.smembers(keys.workloads)
@@ -71,7 +120,9 @@ def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
         state = parse_ledger(b, fields, sessions)
         if state is not None:
             ledgers[b] = state
-            beats[b] = parse_heartbeat(hb)
+            beats[b] = cache.heartbeat(b, hb) if cache is not None else parse_heartbeat(hb)
+    if cache is not None:
+        cache.keep_backends(list(ledgers))
     entries = tuple((as_text(eid), f) for _, es in (results or []) for eid, f in es) \
         if results_after else ()
     return FleetRead(
@@ -123,37 +174,77 @@ def resident_meta(session: Session, admitted_at: float) -> ResidentMeta:
 
 
 def backend_view(ledger: LedgerState, hb: HeartbeatRecord | None,
-                 meta: Mapping[str, ResidentMeta]) -> BackendView:
-    progress = hb.progress_by_session() if hb is not None else {}
+                 meta: Mapping[str, ResidentMeta], cache: ViewCache | None = None,
+                 kept: dict[str, ResidentSession] | None = None) -> BackendView:
+    """The policy's view of one backend. With a `cache`, a resident session is rebuilt only
+    when its charge, progress or metadata changed; the sessions seen go into `kept`."""
+    if hb is None:
+        progress: Mapping[str, SessionProgress] = {}
+        telemetry = None
+    elif cache is not None:
+        beat = cache.beat(ledger.backend_id, hb)
+        progress, telemetry = beat.progress, beat.telemetry
+    else:
+        progress, telemetry = hb.progress_by_session(), hb.telemetry()
+    before = cache._sessions if cache is not None else {}
     sessions = []
+    reused = True
     for sid, reserved in ledger.sessions.items():
         m = meta.get(sid)
         if m is None:  # admitted after our read of its metadata; next round sees it
             continue
         p = progress.get(sid)
-        sessions.append(ResidentSession(
-            session_id=sid, workload=m.workload, group_id=m.group_id, reserved_tokens=reserved,
-            prompt_tokens=m.prompt_tokens,
-            context_tokens=p.context_tokens if p else m.prompt_tokens,
-            generated_tokens=p.generated_tokens if p else 0,
-            turn=p.turn if p else 0, max_tokens=m.max_tokens, max_turns=m.max_turns,
-            waiting_on_tool=p.waiting_on_tool if p else False, admitted_at=m.admitted_at,
-        ))
+        if p is None:
+            context, generated, turn, parked = m.prompt_tokens, 0, 0, False
+        else:
+            context, generated, turn, parked = (p.context_tokens, p.generated_tokens, p.turn,
+                                                p.waiting_on_tool)
+        s = before.get(sid)
+        if (s is None or s.reserved_tokens != reserved or s.context_tokens != context
+                or s.generated_tokens != generated or s.turn != turn
+                or s.waiting_on_tool != parked or s.admitted_at != m.admitted_at
+                or s.workload != m.workload):
+            s = ResidentSession(
+                session_id=sid, workload=m.workload, group_id=m.group_id,
+                reserved_tokens=reserved, prompt_tokens=m.prompt_tokens,
+                context_tokens=context, generated_tokens=generated, turn=turn,
+                max_tokens=m.max_tokens, max_turns=m.max_turns, waiting_on_tool=parked,
+                admitted_at=m.admitted_at,
+            )
+            reused = False
+        if kept is not None:
+            kept[sid] = s
+        sessions.append(s)
+    resident = tuple(sessions)
+    if cache is not None:
+        # Every session as before, in the same order: the very same tuple, so a policy can
+        # tell an unchanged backend by identity (MisaT keeps its sums per backend that way).
+        last = cache._tuples.get(ledger.backend_id)
+        if reused and last is not None and last == resident:
+            resident = last
+        cache._tuples[ledger.backend_id] = resident
     return BackendView(
         backend_id=ledger.backend_id, capacity_tokens=ledger.capacity_tokens,
         max_model_len=ledger.max_model_len, healthy=hb is not None, alpha=ledger.alpha,
-        telemetry=hb.telemetry() if hb is not None else None, sessions=tuple(sessions),
+        telemetry=telemetry, sessions=resident,
     )
 
 
 def build_snapshot(now: float, pending: Mapping[str, Sequence[PendingItem]], fleet: FleetRead,
                    meta: Mapping[str, ResidentMeta],
-                   completions: Sequence[Completion] = ()) -> Snapshot:
+                   completions: Sequence[Completion] = (),
+                   cache: ViewCache | None = None) -> Snapshot:
+    """The policy's snapshot. The same with or without `cache` (which only saves rebuilding
+    what did not change since the snapshot it last built)."""
+    kept: dict[str, ResidentSession] | None = {} if cache is not None else None
+    backends = tuple(backend_view(fleet.ledgers[b], fleet.heartbeats.get(b), meta, cache, kept)
+                     for b in sorted(fleet.ledgers))
+    if cache is not None and kept is not None:
+        cache._sessions = kept
     return Snapshot(
         now=now,
         pending={w: tuple(items) for w, items in pending.items() if items},
-        backends=tuple(backend_view(fleet.ledgers[b], fleet.heartbeats.get(b), meta)
-                       for b in sorted(fleet.ledgers)),
+        backends=backends,
         mixture_target=dict(fleet.mixture),
         consumed=dict(fleet.consumed),
         new_completions=tuple(completions),

@@ -129,6 +129,8 @@ class MisaT(Policy):
         self._last_hb: dict[str, Telemetry] = {}
         self._calm_since: dict[str, float] = {}
         self._usage_ratio: dict[str, float | None] = {}  # ρ_b: KV in use per token charged
+        # Per backend: the sessions tuple last summed and its charge per workload.
+        self._sums: dict[str, tuple[tuple[ResidentSession, ...] | None, dict[str, float]]] = {}
         self._running = 0  # within one decide(): running sessions over the healthy backends
         self._healthy = 1  # ... and how many healthy backends there are
         self._max_len = 1 << 30  # smallest max_model_len seen: no context exceeds it
@@ -205,6 +207,7 @@ class MisaT(Policy):
                 self.prefix.drop_backend(b)
                 self._last_hb.pop(b, None)
                 self._usage_ratio.pop(b, None)
+                self._sums.pop(b, None)
         return out, used
 
     def _charge_residents(self, view: BackendView, now: float, fresh: bool,
@@ -212,11 +215,22 @@ class MisaT(Policy):
         """Each resident session's charge (re-charged on a fresh heartbeat when residency
         accounting is on), summed into `used` per workload; returns the backend's total."""
         recharge = fresh and self.config.residency_accounting
+        memo = self._sums.get(view.backend_id)
+        if not recharge and memo is not None and memo[0] is view.sessions:
+            # The very same sessions as last call (the broker's ViewCache hands the same
+            # tuple back when nothing on this backend changed): their sums are known.
+            by_workload = memo[1]
+        else:
+            by_workload = {}
+            for s in view.sessions:
+                charge = self._recharge(s, view, now, decision) if recharge else s.reserved_tokens
+                by_workload[s.workload] = by_workload.get(s.workload, 0.0) + charge
+            # After a re-charge the next view carries the new charges: no memo to reuse.
+            self._sums[view.backend_id] = (None if recharge else view.sessions, by_workload)
         reserved = 0.0
-        for s in view.sessions:
-            charge = self._recharge(s, view, now, decision) if recharge else s.reserved_tokens
+        for w, charge in by_workload.items():
             reserved += charge
-            used[s.workload] = used.get(s.workload, 0.0) + charge
+            used[w] = used.get(w, 0.0) + charge
         return reserved
 
     def _adapt_alpha(self, view: BackendView, fresh: bool, work_pending: bool,

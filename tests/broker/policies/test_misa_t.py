@@ -532,3 +532,44 @@ def test_ablations_are_misa_t_with_one_switch_off() -> None:
         others = {f.name for f in dataclasses.fields(policy.config)} - {switch}
         default = MisaT().config
         assert all(getattr(policy.config, o) == getattr(default, o) for o in others)
+
+
+def test_sums_kept_for_an_unchanged_backend_give_the_decisions_of_summing_again() -> None:
+    """The broker hands back the very same sessions tuple for a backend where nothing changed;
+    MisaT then reuses its sums. Decisions must be those of a policy given copies (which sums
+    every time), and no backend may be charged past α·C by what it holds and what it gets."""
+    import random
+    rng = random.Random(3)
+    kept, summed = MisaT(), MisaT()
+    residents: dict[str, list[ResidentSession]] = {b: [] for b in "abcd"}
+    tuples: dict[str, tuple[ResidentSession, ...]] = {}
+    beats: dict[str, Telemetry] = {}
+    n = 0
+    for step in range(120):
+        now = float(step)
+        for b in rng.sample("abcd", 2):  # two backends change each step
+            if residents[b] and rng.random() < 0.4:
+                residents[b].pop(rng.randrange(len(residents[b])))
+            else:
+                residents[b].append(resident(f"r{n}", reserved=rng.randint(500, 5000)))
+                n += 1
+            tuples[b] = tuple(residents[b])
+        if step % 3 == 0:
+            b = rng.choice("abcd")
+            beats[b] = hb(now, usage=rng.uniform(0.2, 0.9))
+        items = [pending(f"p{step}-{i}", at=now) for i in range(rng.randint(0, 4))]
+        same = [view(b, telemetry=beats.get(b), capacity=20_000) for b in "abcd"]
+        same = [dataclasses.replace(v, sessions=tuples.get(b, ())) for b, v in zip("abcd", same)]
+        copies = [dataclasses.replace(v, sessions=tuple(list(v.sessions))) for v in same]
+        a = kept.decide(snap(same, items, now=now))
+        b_ = summed.decide(snap(copies, items, now=now))
+        assert a == b_, f"step {step}"
+        for b in "abcd":
+            got = sum(adm.reserved_tokens for adm in a.admissions if adm.backend_id == b)
+            if got:
+                held = sum(a.recharge.get(r.session_id, r.reserved_tokens) for r in tuples.get(b, ()))
+                assert held + got <= kept.alpha[b] * 20_000 + 1e-6, f"step {step}, backend {b}"
+        for adm in a.admissions:  # the broker would add them: a new tuple there
+            tuples[adm.backend_id] = tuples.get(adm.backend_id, ()) + (
+                resident(adm.session_id, reserved=int(adm.reserved_tokens)),)
+            residents[adm.backend_id] = list(tuples[adm.backend_id])
