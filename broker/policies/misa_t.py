@@ -54,7 +54,7 @@ from broker.policies.base import (
 )
 from broker.policies.misa_t_control import AimdParams, CompletionPacer, admissible, shares
 from broker.policies.misa_t_predictors import PredictorParams, WorkloadModel
-from broker.policies.misa_t_placement import BackendState, Placement, Pool
+from broker.policies.misa_t_placement import BackendState, Hits, Placement, Pool
 from broker.policies.misa_t_prefix import PrefixIndex, PrefixKey, prefix_key
 
 
@@ -488,16 +488,22 @@ class MisaT(Policy):
                 group.append(it)
         charges = [self._charge(it) for it in group]
         key = self._key(head) if self.config.prefix_placement else None
+        hits = (placement.hits(self.prefix.matches(key))
+                if key is not None and key.hashes else None)
         # Member by member: the first placement puts the group's prefix in the index, so the
         # rest follow it to that backend while its decode batch stays within the balance
         # slack, and spill to the next one (one more prefill of the shared prompt) beyond it.
         taken, charged = 0, 0.0
         for it, ch in zip(group, charges):
-            target, hit = self._choose(placement, pool, ch, key)
+            target, hit = self._choose(placement, pool, ch, hits)
             if target is None:
                 break
             self._place(it, target, ch, decision, key, hit)
             placement.placed(target)
+            if hits is not None:
+                # The target now holds the whole key, stamped newest; nothing else changed
+                # for it: what `self.prefix.matches(key)` would now say.
+                placement.key_placed(hits, target, key.tokens[-1])
             taken, charged = taken + 1, charged + ch
         return taken, charged, charges[0]
 
@@ -512,16 +518,15 @@ class MisaT(Policy):
         return key
 
     def _choose(
-        self, placement: Placement, pool: Pool, charge: float, key: PrefixKey | None
+        self, placement: Placement, pool: Pool, charge: float, hits: Hits | None
     ) -> tuple[BackendState | None, int]:
-        """The backend for `charge` tokens, and how much of `key` it probably caches: balance
-        first (KV use, then running sessions), then the longest cached prefix, then headroom
-        (misa_t_placement.py)."""
+        """The backend for `charge` tokens, and how much of the key of `hits` it probably
+        caches: balance first (KV use, then running sessions), then the longest cached prefix,
+        then headroom (misa_t_placement.py)."""
         cfg = self.config
         run_slack = max(cfg.balance_slack_sessions,
                         cfg.balance_slack_frac * self._running / self._healthy)
-        matched = self.prefix.matches(key) if key is not None and key.hashes else None
-        return placement.choose(pool, charge, matched, run_slack)
+        return placement.choose(pool, charge, hits, run_slack)
 
     def _place(
         self,

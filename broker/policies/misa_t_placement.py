@@ -51,6 +51,17 @@ class Pool:
     mask: np.ndarray | None = None  # the same set over the fleet's order (array evaluation)
 
 
+@dataclass(slots=True)
+class Hits:
+    """For one prefix key: the tokens of it each backend probably caches (backend id -> tokens,
+    as `PrefixIndex.matches` gives them), and the same over the fleet's order as an array when
+    the placement evaluates arrays. Made once per GRPO group; `Placement.key_placed` records
+    each member's placement, so the group's later members need no new prefix lookup."""
+
+    by_id: dict[str, int]
+    array: np.ndarray | None = None
+
+
 class Placement:
     """The backends of one decide() call and the choice rule over them."""
 
@@ -88,13 +99,29 @@ class Placement:
             self._util[i] = b.reserved / self._capacity[i]
             self._running[i] = b.running
 
-    def choose(self, pool: Pool, charge: float, matched: Mapping[str, int] | None,
-               run_slack: float) -> tuple[BackendState | None, int]:
-        """The backend for `charge` tokens and how much of the prefix it probably caches
-        (`matched`: backend id -> cached tokens of the prefix)."""
+    def hits(self, matched: Mapping[str, int]) -> Hits:
+        """`matched` (backend id -> cached tokens of one prefix) in the form `choose` reads."""
+        hits = Hits(dict(matched))
         if self._arrays:
-            return self._choose_arrays(pool, charge, matched, run_slack)
-        return self._choose_loops(pool.members, charge, matched, run_slack)
+            hits.array = np.zeros(len(self.backends), dtype=np.float64)
+            for backend_id, tokens in matched.items():
+                i = self._index.get(backend_id)
+                if i is not None:
+                    hits.array[i] = tokens
+        return hits
+
+    def key_placed(self, hits: Hits, b: BackendState, tokens: int) -> None:
+        """The key of `hits` was just placed on `b`, which now caches `tokens` of it."""
+        hits.by_id[b.view.backend_id] = tokens
+        if hits.array is not None:
+            hits.array[self._position[id(b)]] = tokens
+
+    def choose(self, pool: Pool, charge: float, hits: Hits | None,
+               run_slack: float) -> tuple[BackendState | None, int]:
+        """The backend for `charge` tokens and how much of the prefix it probably caches."""
+        if self._arrays:
+            return self._choose_arrays(pool, charge, hits, run_slack)
+        return self._choose_loops(pool.members, charge, hits.by_id if hits else None, run_slack)
 
     def _choose_loops(self, backends: list[BackendState], charge: float,
                       matched: Mapping[str, int] | None, run_slack: float
@@ -128,7 +155,7 @@ class Placement:
                 best, best_rank = b, rank
         return best, best_rank[0]
 
-    def _choose_arrays(self, pool: Pool, charge: float, matched: Mapping[str, int] | None,
+    def _choose_arrays(self, pool: Pool, charge: float, hits: Hits | None,
                        run_slack: float) -> tuple[BackendState | None, int]:
         room = self._limit - self._reserved
         fits = room >= charge
@@ -140,15 +167,10 @@ class Placement:
         near = fits & (util <= low + self.locality_slack)
         least = self._running[near].min()
         candidate = near & (self._running <= least + run_slack)
-        if matched:
-            best, best_hit = -1, 0
-            for backend_id, hit in matched.items():
-                i = self._index.get(backend_id)
-                if i is None or hit <= 0 or not candidate[i]:
-                    continue
-                if (hit > best_hit or (hit == best_hit and (room[i] > room[best] or (
-                        room[i] == room[best] and i < best)))):
-                    best, best_hit = i, hit
-            if best >= 0:
-                return self.backends[best], best_hit
+        if hits is not None and hits.array is not None:
+            # The longest match among the candidates, then the most room, then the first.
+            best_hit = np.where(candidate, hits.array, 0.0).max()
+            if best_hit > 0:
+                best = candidate & (hits.array == best_hit)
+                return self.backends[int(np.where(best, room, -np.inf).argmax())], int(best_hit)
         return self.backends[int(np.where(candidate, room, -np.inf).argmax())], 0

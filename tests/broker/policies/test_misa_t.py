@@ -573,3 +573,24 @@ def test_sums_kept_for_an_unchanged_backend_give_the_decisions_of_summing_again(
             tuples[adm.backend_id] = tuples.get(adm.backend_id, ()) + (
                 resident(adm.session_id, reserved=int(adm.reserved_tokens)),)
             residents[adm.backend_id] = list(tuples[adm.backend_id])
+
+
+def test_placing_a_key_changes_its_matches_only_on_that_backend_to_the_whole_key() -> None:
+    """What MisaT relies on to place a group's members without a new prefix lookup each
+    (misa_t_placement.Placement.key_placed): after insert(key, b), matches(key) is what it was,
+    except that b caches the whole key — whatever b's churn ages out for other keys."""
+    import random
+    rng = random.Random(5)
+    index = PrefixIndex()
+    for b in "abcdef":
+        index.sync_backend(b, rng.choice((2_000, 20_000)))
+    system = tuple(range(50_000, 51_000))
+    keys = [prefix_key(system[:rng.choice((0, 500, 1000))] + tuple(rng.randrange(1000) for _ in range(rng.randrange(1, 600))))
+            for _ in range(40)]
+    keys = [k for k in keys if k.hashes]
+    for _ in range(2_000):
+        key = rng.choice(keys)
+        b = rng.choice("abcdef")
+        before = index.matches(key)
+        index.insert(key, b, rng.choice((10.0, 500.0, 5_000.0)))
+        assert index.matches(key) == {**before, b: key.tokens[-1]}

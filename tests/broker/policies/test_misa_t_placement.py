@@ -35,20 +35,26 @@ def test_loops_and_arrays_choose_the_same_backend_through_a_call(seed):
     pool_l = loops.pool([fleets[i] for i in held])
     pool_a = arrays.pool([twins[i] for i in held])
     chosen = 0
+    hits_l = hits_a = None
     for _ in range(300):
         charge = rng.choice((500.0, 4_000.0, 20_000.0, rng.uniform(1, 80_000)))
-        matched = (None if rng.random() < 0.3 else
-                   {f"b{i}": rng.choice((16, 1024, 4096)) for i in rng.sample(range(n), rng.randrange(n + 1))}
-                   | ({"gone": 64} if rng.random() < 0.1 else {}))
+        if rng.random() < 0.5:  # a new key (else the group's next member, same key)
+            matched = (None if rng.random() < 0.3 else
+                       {f"b{i}": rng.choice((16, 1024, 4096)) for i in rng.sample(range(n), rng.randrange(n + 1))}
+                       | ({"gone": 64} if rng.random() < 0.1 else {}))
+            hits_l = loops.hits(matched) if matched is not None else None
+            hits_a = arrays.hits(matched) if matched is not None else None
         run_slack = rng.choice((1.0, 2.5, 6.0))
-        a, hit_a = loops.choose(pool_l, charge, matched, run_slack)
-        b, hit_b = arrays.choose(pool_a, charge, matched, run_slack)
+        a, hit_a = loops.choose(pool_l, charge, hits_l, run_slack)
+        b, hit_b = arrays.choose(pool_a, charge, hits_a, run_slack)
         assert (a.view.backend_id if a else None, hit_a) == (b.view.backend_id if b else None, hit_b)
         if a is None:
             continue
         chosen += 1
-        for target, placement in ((a, loops), (b, arrays)):
+        for target, placement, hits in ((a, loops, hits_l), (b, arrays, hits_a)):
             target.reserved += charge
             target.running += 1
             placement.placed(target)
+            if hits is not None:
+                placement.key_placed(hits, target, 8192)
     assert chosen > 0
