@@ -18,6 +18,8 @@ Admission keeps `reserved ≤ floor(α·C)`; lowering α never evicts anyone, so
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import redis
@@ -36,6 +38,7 @@ class LedgerState:
     reserved_tokens: int
     reserved_by_workload: dict[str, int]
     sessions: dict[str, int]  # session_id -> reserved tokens
+    version: str | None = None  # changes whenever `sessions` does (ledger_version)
 
     @property
     def limit_tokens(self) -> int:
@@ -50,11 +53,25 @@ class EnqueueLimits:
     vocab_size: int | None = None  # the smallest vocabulary: a session may land on any backend
 
 
-def parse_ledger(backend_id: str, fields: dict, sessions: dict) -> LedgerState | None:
-    """A ledger from its two hashes as HGETALL returns them; None when never registered."""
+def parse_ledger(backend_id: str, fields: dict, sessions: dict,
+                 cached: Callable[[str, str | None], dict[str, int] | None] | None = None
+                 ) -> LedgerState | None:
+    """A ledger from its two hashes as HGETALL returns them; None when never registered.
+    With `cached` (backend id, version -> the sessions read at that version, or None), the
+    sessions come from there and `sessions` is not read; when it has none for the ledger's
+    version the result carries version None and no sessions (the caller reads them)."""
     f = {as_text(k): as_text(v) for k, v in fields.items()}
     if "capacity" not in f:
         return None
+    version = ledger_version(f)
+    if cached is not None:
+        known = cached(backend_id, version)
+        if known is None:
+            version, parsed = None, {}
+        else:
+            parsed = known
+    else:
+        parsed = {as_text(k): int(v) for k, v in sessions.items()}
     by_workload = {k[2:]: int(v) for k, v in f.items() if k.startswith("w:")}
     return LedgerState(
         backend_id=backend_id,
@@ -63,8 +80,16 @@ def parse_ledger(backend_id: str, fields: dict, sessions: dict) -> LedgerState |
         alpha=float(f.get("alpha", 1.0)),
         reserved_tokens=int(f.get("reserved", 0)),
         reserved_by_workload=by_workload,
-        sessions={as_text(k): int(v) for k, v in sessions.items()},
+        sessions=parsed,
+        version=version,
     )
+
+
+def ledger_version(fields: Mapping[str, str]) -> str | None:
+    """What identifies the content of a ledger's sessions hash (epoch and change count), or
+    None for a ledger written before epochs existed (then nothing may be cached by it)."""
+    epoch = fields.get("epoch")
+    return f"{epoch}:{fields.get('ver', '0')}" if epoch else None
 
 
 class Ledger:
@@ -94,6 +119,9 @@ class Ledger:
         pipe.hset(k.ledger(backend_id), mapping=fields)
         pipe.hsetnx(k.ledger(backend_id), "alpha", 1.0)
         pipe.hsetnx(k.ledger(backend_id), "reserved", 0)
+        # With 'ver' (bumped by every script that changes the sessions hash), what a reader
+        # may cache the sessions by: a ledger created again gets a new epoch.
+        pipe.hsetnx(k.ledger(backend_id), "epoch", uuid.uuid4().hex[:12])
         pipe.sadd(k.backends, backend_id)
         pipe.execute()
         ensure_group(self._client, k.admitted(backend_id), WORKERS_GROUP)

@@ -129,7 +129,10 @@ class BrokerService:
         # check, and on all of them when the version served or the bound changes.
         self._unchecked: list[tuple[dict[str, _Held], _Held]] = []
         self._stale_rule: tuple[int | None, int | None] | None = None
-        self._views = ViewCache()  # heartbeats parsed and resident views built last time
+        self._views = ViewCache()  # ledgers, heartbeats and views read and built last time
+        self._touched: set[str] = set()  # backends whose ledgers our own scripts changed
+        self._meta_checked: dict[str, str | None] = {}  # ledger version whose sessions have meta
+        self._meta_pruned = time.monotonic()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> None:
@@ -303,13 +306,14 @@ class BrokerService:
         """The fleet in one round trip (two when a backend registered since the last read);
         new results become completions for the policy."""
         fleet = read_fleet(self._client, self.keys, self._backend_ids, self._last_result_id,
-                           ack_events or (), self._views)
+                           ack_events or (), self._views, self._touched)
         self._take_completions(fleet)
         if fleet.backend_index != self._backend_ids:
             self._backend_ids = fleet.backend_index
             fleet = read_fleet(self._client, self.keys, self._backend_ids, self._last_result_id,
                                cache=self._views)
             self._take_completions(fleet)
+        self._touched = set()
         return fleet
 
     def _take_completions(self, fleet: FleetRead) -> None:
@@ -322,14 +326,22 @@ class BrokerService:
 
     def _load_meta(self, fleet: FleetRead) -> None:
         """Metadata of resident sessions this broker did not admit itself (after a takeover);
-        forget sessions that left without a result (cancelled while admitted)."""
-        resident = [sid for led in fleet.ledgers.values() for sid in led.sessions]
-        missing = [sid for sid in resident if sid not in self._meta]
-        if len(self._meta) > len(resident) - len(missing):  # some remembered ones have left
-            keep = set(resident)
-            self._meta = {sid: m for sid, m in self._meta.items() if sid in keep}
-            self._unreadable &= keep
-        missing = [sid for sid in missing if sid not in self._unreadable]
+        forget sessions that left without a result (cancelled while admitted), every
+        `orphan_check_s`. A ledger is looked through again only when its version moved."""
+        now = time.monotonic()
+        if now - self._meta_pruned >= self.settings.orphan_check_s:
+            self._meta_pruned = now
+            keep = {sid for led in fleet.ledgers.values() for sid in led.sessions}
+            if len(self._meta) > len(keep & self._meta.keys()):  # some remembered ones left
+                self._meta = {sid: m for sid, m in self._meta.items() if sid in keep}
+                self._unreadable &= keep
+        missing: list[str] = []
+        for b, led in fleet.ledgers.items():
+            if led.version is not None and self._meta_checked.get(b) == led.version:
+                continue
+            missing += [sid for sid in led.sessions
+                        if sid not in self._meta and sid not in self._unreadable]
+            self._meta_checked[b] = led.version
         if not missing:
             return
         pipe = self._client.pipeline(transaction=False)
@@ -410,6 +422,7 @@ class BrokerService:
                 # releases its reservation (the requeue key is then never written).
                 keys += [k.session(sid), k.requeue(w or "unknown"), k.body(sid)]
                 args.append(sid)
+            self._touched.add(backend_id)
             reply = self._scripts.requeue(keys=keys, args=args)
             if as_text(reply) == "lease":
                 return False
@@ -536,6 +549,8 @@ class BrokerService:
                 [token, adm.session_id, b, int(adm.reserved_tokens), held.entry.entry_id,
                  repr(now), "1" if enforce else "0"]))
             placed.append((queue, held, b))
+        self._touched.update(b for b, _ in plan.recharge.values())
+        self._touched.update(adm.backend_id for adm in plan.admissions)
         replies = self._runner.run(durable(calls, self._durability))
         admitted = 0
         for (queue, held, b), reply in zip(placed, replies[-len(placed):] if placed else []):

@@ -8,7 +8,7 @@ streams and holds in its consumer-group backlog), oldest first, requeued ones in
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -44,16 +44,37 @@ class FleetRead:
 
 
 class ViewCache:
-    """What the previous snapshot built, for the next one to reuse (the broker holds one):
-    a heartbeat whose stored bytes did not change is not parsed again, and a resident
-    session whose charge, progress and metadata did not change keeps its `ResidentSession`.
-    With hundreds of backends and tens of thousands of residents, building those anew on
-    every loop was most of the broker's time."""
+    """What the previous read and snapshot built, for the next ones to reuse (the broker holds
+    one). With hundreds of backends and tens of thousands of residents, reading and building
+    all of it anew on every loop was most of the broker's time. Reused:
+
+    - a ledger's sessions, while its version (`ledger.ledger_version`: every script that
+      changes the sessions hash bumps it) is the one they were read at: `read_fleet` then
+      reads only the small ledger hash;
+    - a heartbeat whose stored bytes did not change (not parsed again);
+    - a backend's whole view while its ledger version, heartbeat and limits did not change,
+      so a policy can tell an unchanged backend by the identity of its sessions tuple
+      (MisaT keeps its per-backend sums that way);
+    - otherwise each resident session whose charge, progress and metadata did not change.
+    """
 
     def __init__(self) -> None:
+        self._ledgers: dict[str, tuple[str, dict[str, int]]] = {}  # version, sessions
         self._beats: dict[str, _Beat] = {}
-        self._sessions: dict[str, ResidentSession] = {}
-        self._tuples: dict[str, tuple[ResidentSession, ...]] = {}  # per backend, last built
+        self._views: dict[str, _ViewMemo] = {}
+
+    def sessions_at(self, backend_id: str, version: str | None) -> dict[str, int] | None:
+        hit = self._ledgers.get(backend_id)
+        return hit[1] if hit is not None and version is not None and hit[0] == version else None
+
+    def holds(self, backend_id: str) -> bool:
+        return backend_id in self._ledgers
+
+    def store_ledger(self, state: LedgerState) -> None:
+        if state.version is None:
+            self._ledgers.pop(state.backend_id, None)
+        else:
+            self._ledgers[state.backend_id] = (state.version, state.sessions)
 
     def heartbeat(self, backend_id: str, raw: bytes | None) -> HeartbeatRecord | None:
         hit = self._beats.get(backend_id)
@@ -74,11 +95,11 @@ class ViewCache:
             self._beats[backend_id] = hit
         return hit
 
-    def keep_backends(self, backend_ids: Sequence[str]) -> None:
-        for b in set(self._beats) - set(backend_ids):
-            del self._beats[b]
-        for b in set(self._tuples) - set(backend_ids):
-            del self._tuples[b]
+    def keep_backends(self, backend_ids: Iterable[str]) -> None:
+        keep = set(backend_ids)
+        for memo in (self._ledgers, self._beats, self._views):
+            for b in set(memo) - keep:
+                del memo[b]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,13 +110,27 @@ class _Beat:
     telemetry: Telemetry
 
 
+@dataclass(frozen=True, slots=True)
+class _ViewMemo:
+    key: tuple  # (ledger version, heartbeat record, alpha, capacity, max_model_len)
+    view: BackendView
+    complete: bool  # every resident's metadata was known (none left out)
+    sessions: Mapping[str, ResidentSession]
+
+
 def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
                results_after: str | None = None, ack_events: Sequence[bytes] = (),
-               cache: ViewCache | None = None) -> FleetRead:
+               cache: ViewCache | None = None, expect_changed: Iterable[str] = ()) -> FleetRead:
     """One round trip: the index sets, mixture, consumed, each listed backend's ledger and
     heartbeat, new results (if `results_after`), and the broker's ack of the events it woke on.
-    A caller whose `backend_ids` differ from the returned `backend_index` reads again. With a
-    `cache`, unchanged heartbeats are not parsed again."""
+    A caller whose `backend_ids` differ from the returned `backend_index` reads again.
+
+    With a `cache`, a ledger's sessions are read only where the cache does not hold them at
+    the ledger's current version: in the same transaction for backends in `expect_changed`
+    (the caller's own admissions went there) or not cached, in a second one for the rest that
+    changed (each ledger with its sessions, consistent). Unchanged heartbeats are not parsed."""
+    want = set(backend_ids) if cache is None else {
+        b for b in backend_ids if b in set(expect_changed) or not cache.holds(b)}
     pipe = client.pipeline(transaction=True)
     pipe.smembers(keys.backends)
     pipe.smembers(keys.workloads)
@@ -108,21 +143,49 @@ def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
         pipe.xdel(keys.events, *ack_events)
     for b in backend_ids:
         pipe.hgetall(keys.ledger(b))
-        pipe.hgetall(keys.ledger_sessions(b))
+        if b in want:
+            pipe.hgetall(keys.ledger_sessions(b))
         pipe.get(keys.heartbeat(b))
     replies = pipe.execute()
     index, workloads, mixture, consumed, results, weights = replies[:6]
-    per_backend = replies[8:] if ack_events else replies[6:]
+    it = iter(replies[8:] if ack_events else replies[6:])
     ledgers: dict[str, LedgerState] = {}
     beats: dict[str, HeartbeatRecord | None] = {}
-    for i, b in enumerate(backend_ids):
-        fields, sessions, hb = per_backend[3 * i: 3 * i + 3]
-        state = parse_ledger(b, fields, sessions)
+    raw_beats: dict[str, bytes | None] = {}
+    changed: list[str] = []
+    for b in backend_ids:
+        fields = next(it)
+        sessions = next(it) if b in want else None
+        raw_beats[b] = next(it)
+        if sessions is not None:
+            state = parse_ledger(b, fields, sessions)
+        else:
+            state = parse_ledger(b, fields, {}, cache.sessions_at if cache is not None else None)
+            if state is not None and state.version is None:
+                changed.append(b)  # not at the cached version: read with its sessions below
+                continue
         if state is not None:
             ledgers[b] = state
-            beats[b] = cache.heartbeat(b, hb) if cache is not None else parse_heartbeat(hb)
+    if changed:
+        again = client.pipeline(transaction=True)
+        for b in changed:
+            again.hgetall(keys.ledger(b))
+            again.hgetall(keys.ledger_sessions(b))
+        replies = again.execute()
+        for i, b in enumerate(changed):
+            state = parse_ledger(b, replies[2 * i], replies[2 * i + 1])
+            if state is not None:
+                ledgers[b] = state
+    for b in backend_ids:
+        if b in ledgers:
+            if cache is not None:
+                if b in want or b in changed:
+                    cache.store_ledger(ledgers[b])
+                beats[b] = cache.heartbeat(b, raw_beats[b])
+            else:
+                beats[b] = parse_heartbeat(raw_beats[b])
     if cache is not None:
-        cache.keep_backends(list(ledgers))
+        cache.keep_backends(ledgers)
     entries = tuple((as_text(eid), f) for _, es in (results or []) for eid, f in es) \
         if results_after else ()
     return FleetRead(
@@ -174,10 +237,16 @@ def resident_meta(session: Session, admitted_at: float) -> ResidentMeta:
 
 
 def backend_view(ledger: LedgerState, hb: HeartbeatRecord | None,
-                 meta: Mapping[str, ResidentMeta], cache: ViewCache | None = None,
-                 kept: dict[str, ResidentSession] | None = None) -> BackendView:
-    """The policy's view of one backend. With a `cache`, a resident session is rebuilt only
-    when its charge, progress or metadata changed; the sessions seen go into `kept`."""
+                 meta: Mapping[str, ResidentMeta], cache: ViewCache | None = None) -> BackendView:
+    """The policy's view of one backend (see `ViewCache` for what a `cache` reuses)."""
+    key: tuple = ()
+    memo = None
+    if cache is not None:
+        key = (ledger.version, hb, ledger.alpha, ledger.capacity_tokens, ledger.max_model_len)
+        memo = cache._views.get(ledger.backend_id)
+        if (memo is not None and memo.complete and ledger.version is not None
+                and memo.key[0] == key[0] and memo.key[1] is hb and memo.key[2:] == key[2:]):
+            return memo.view
     if hb is None:
         progress: Mapping[str, SessionProgress] = {}
         telemetry = None
@@ -186,12 +255,13 @@ def backend_view(ledger: LedgerState, hb: HeartbeatRecord | None,
         progress, telemetry = beat.progress, beat.telemetry
     else:
         progress, telemetry = hb.progress_by_session(), hb.telemetry()
-    before = cache._sessions if cache is not None else {}
-    sessions = []
-    reused = True
+    before = memo.sessions if memo is not None else {}
+    sessions: dict[str, ResidentSession] = {}
+    complete = True
     for sid, reserved in ledger.sessions.items():
         m = meta.get(sid)
         if m is None:  # admitted after our read of its metadata; next round sees it
+            complete = False
             continue
         p = progress.get(sid)
         if p is None:
@@ -211,23 +281,20 @@ def backend_view(ledger: LedgerState, hb: HeartbeatRecord | None,
                 max_tokens=m.max_tokens, max_turns=m.max_turns, waiting_on_tool=parked,
                 admitted_at=m.admitted_at,
             )
-            reused = False
-        if kept is not None:
-            kept[sid] = s
-        sessions.append(s)
-    resident = tuple(sessions)
-    if cache is not None:
+        sessions[sid] = s
+    resident = tuple(sessions.values())
+    if memo is not None and memo.view.sessions == resident:
         # Every session as before, in the same order: the very same tuple, so a policy can
         # tell an unchanged backend by identity (MisaT keeps its sums per backend that way).
-        last = cache._tuples.get(ledger.backend_id)
-        if reused and last is not None and last == resident:
-            resident = last
-        cache._tuples[ledger.backend_id] = resident
-    return BackendView(
+        resident = memo.view.sessions
+    view = BackendView(
         backend_id=ledger.backend_id, capacity_tokens=ledger.capacity_tokens,
         max_model_len=ledger.max_model_len, healthy=hb is not None, alpha=ledger.alpha,
         telemetry=telemetry, sessions=resident,
     )
+    if cache is not None:
+        cache._views[ledger.backend_id] = _ViewMemo(key, view, complete, sessions)
+    return view
 
 
 def build_snapshot(now: float, pending: Mapping[str, Sequence[PendingItem]], fleet: FleetRead,
@@ -236,15 +303,11 @@ def build_snapshot(now: float, pending: Mapping[str, Sequence[PendingItem]], fle
                    cache: ViewCache | None = None) -> Snapshot:
     """The policy's snapshot. The same with or without `cache` (which only saves rebuilding
     what did not change since the snapshot it last built)."""
-    kept: dict[str, ResidentSession] | None = {} if cache is not None else None
-    backends = tuple(backend_view(fleet.ledgers[b], fleet.heartbeats.get(b), meta, cache, kept)
-                     for b in sorted(fleet.ledgers))
-    if cache is not None and kept is not None:
-        cache._sessions = kept
     return Snapshot(
         now=now,
         pending={w: tuple(items) for w, items in pending.items() if items},
-        backends=backends,
+        backends=tuple(backend_view(fleet.ledgers[b], fleet.heartbeats.get(b), meta, cache)
+                       for b in sorted(fleet.ledgers)),
         mixture_target=dict(fleet.mixture),
         consumed=dict(fleet.consumed),
         new_completions=tuple(completions),

@@ -28,6 +28,7 @@ if st[2] ~= ARGV[2] then
 end
 local charge = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
 redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HINCRBY', KEYS[2], 'ver', 1)  -- the sessions changed (broker/snapshot.py reads by it)
 redis.call('HINCRBY', KEYS[2], 'reserved', -charge)
 redis.call('HINCRBY', KEYS[2], 'w:' .. st[3], -charge)
 if st[4] then

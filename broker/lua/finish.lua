@@ -37,6 +37,7 @@ if state == 'pending' and st[5] == ARGV[2] then
 elseif (state == 'admitted' or state == 'running') and st[2] == ARGV[2] then
   local charge = tonumber(redis.call('HGET', KEYS[3], sid) or '0')
   redis.call('HDEL', KEYS[3], sid)
+  redis.call('HINCRBY', KEYS[2], 'ver', 1)  -- the sessions changed (broker/snapshot.py reads by it)
   redis.call('HINCRBY', KEYS[2], 'reserved', -charge)
   redis.call('HINCRBY', KEYS[2], 'w:' .. workload, -charge)
   if st[4] then

@@ -27,6 +27,7 @@ if ARGV[5] ~= '0' and new > old
   return 'no_capacity'
 end
 redis.call('HSET', KEYS[4], ARGV[2], new)
+redis.call('HINCRBY', KEYS[3], 'ver', 1)  -- the sessions changed (broker/snapshot.py reads by it)
 redis.call('HINCRBY', KEYS[3], 'reserved', new - old)
 redis.call('HINCRBY', KEYS[3], 'w:' .. st[3], new - old)
 redis.call('HSET', KEYS[2], 'reserved', new)

@@ -44,6 +44,7 @@ for i = 1, n do
   local charge = redis.call('HGET', KEYS[4], sid)
   if charge then
     redis.call('HDEL', KEYS[4], sid)
+    redis.call('HINCRBY', KEYS[3], 'ver', 1)  -- the sessions changed (broker/snapshot.py reads by it)
     redis.call('HINCRBY', KEYS[3], 'reserved', -tonumber(charge))
     if st[3] then
       redis.call('HINCRBY', KEYS[3], 'w:' .. st[3], -tonumber(charge))

@@ -420,3 +420,46 @@ def test_cancel_while_running_means_the_worker_cannot_publish(world):
     assert link.finish(result("s1")) == "duplicate"
     assert world.r.xlen(world.k.results) == 0 and world.reserved("b0") == 0
     client.close()
+
+
+def test_every_change_to_a_ledgers_sessions_moves_its_version(world, redis_client):
+    """broker/snapshot.py caches a ledger's sessions by its version: each script that changes
+    the sessions hash must move it, and a cached read must equal a full one."""
+    from broker.client import RolloutClient
+    from broker.snapshot import ViewCache, read_fleet
+    k = world.k
+    cache = ViewCache()
+    seen: list[tuple] = []
+
+    def check(what: str) -> None:
+        full = read_fleet(redis_client, k, ["b0", "b1"])
+        cached = read_fleet(redis_client, k, ["b0", "b1"], cache=cache)
+        assert cached.ledgers == full.ledgers, what
+        now = {b: (led.version, dict(led.sessions)) for b, led in full.ledgers.items()}
+        if seen:
+            for b, (version, sessions) in now.items():
+                before = seen[-1][b]
+                assert version is not None, what
+                if sessions != before[1]:
+                    assert version != before[0], f"{what}: {b}'s sessions changed, not its version"
+        seen.append(now)
+
+    world.backend("b0")
+    world.backend("b1")
+    check("registered")
+    link0 = world.admitted("b0", 1, 2, 3, 4)  # (registers b0 again: its epoch stays)
+    check("admit")
+    link0.read_admitted(count=10, block_ms=None)
+    assert link0.mark_running("s1") and link0.mark_running("s2")
+    assert as_text(world.s.recharge(keys=[k.lease, k.session("s1"), k.ledger("b0"),
+                                          k.ledger_sessions("b0")],
+                                    args=[TOKEN, "s1", "b0", 25, "1"])) == "ok"
+    check("recharge")
+    assert link0.finish(result("s1")) == "ok"
+    check("finish")
+    client = RolloutClient(world.url, world.ns)
+    assert client.cancel("s2") == "cancelled"
+    client.close()
+    check("cancel")
+    assert link0.hand_back([make_session(3)], "engine: timed out") == (1, 0)
+    check("hand back (requeue)")
