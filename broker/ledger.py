@@ -11,6 +11,10 @@ Fields of `rb:{ns}:ledger:<b>` (a hash), who writes them, and what they mean:
 - `reserved`      Σ of the per-session reservations in `ledger:<b>:sessions`; changed only by the
                   admit / finish / cancel / reclaim / recharge scripts, always together with them.
 - `w:<workload>`  the part of `reserved` held by sessions of that workload.
+- `ver`, `epoch`  `ver` counts the changes of `ledger:<b>:sessions` (every script that changes
+                  it bumps it in the same step); `epoch` is random, set when the ledger is first
+                  registered. Together (`ledger_version`) they let the broker keep a backend's
+                  sessions between reads and read them again only when they changed.
 Admission keeps `reserved ≤ floor(α·C)`; lowering α never evicts anyone, so after a decrease
 `reserved` may sit above the new limit until sessions finish.
 `rb:{ns}:kvsec` sums, per workload, the KV-token-seconds of finished sessions (`n:<w>` counts).
