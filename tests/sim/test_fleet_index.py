@@ -205,3 +205,13 @@ def test_engine_reports_every_change_of_its_next_event(bulk: bool) -> None:
     # settle only can when a bulk decode run is planned.
     kinds = {"add", "abort", "freeze", "unfreeze", "step", "tick"} | ({"settle"} if bulk else set())
     assert set(calls) == kinds, calls
+
+
+def test_run_restores_the_collector_thresholds() -> None:
+    """run() raises the cyclic collector's young threshold for its own duration only."""
+    import gc
+
+    before = gc.get_threshold()
+    sc = scenario(iterations=1)
+    FleetSim(sc, make_policy("least_loaded"), make_source(sc, QUICK)).run()
+    assert gc.get_threshold() == before
