@@ -129,8 +129,9 @@ def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
     the ledger's current version: in the same transaction for backends in `expect_changed`
     (the caller's own admissions went there) or not cached, in a second one for the rest that
     changed (each ledger with its sessions, consistent). Unchanged heartbeats are not parsed."""
+    expected = set(expect_changed)
     want = set(backend_ids) if cache is None else {
-        b for b in backend_ids if b in set(expect_changed) or not cache.holds(b)}
+        b for b in backend_ids if b in expected or not cache.holds(b)}
     pipe = client.pipeline(transaction=True)
     pipe.smembers(keys.backends)
     pipe.smembers(keys.workloads)
