@@ -38,7 +38,7 @@ Timings on a shared 2-core machine are noisy: run it twice and compare. The full
 a minute.
 
 Usage: python benchmarks/scale.py [--quick] [--json PATH] [--redis-url URL]
-           [--skip admission,memory,million,sim]
+           [--skip admission,memory,million,sim] [--policies misa_t,least_loaded]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +69,10 @@ from broker.body import dump_body
 from broker.client import RolloutClient
 from broker.heartbeat import EngineMetrics
 from broker.keys import Keys
+from broker.policies import policy_names
 from broker.policies.base import Decision, Snapshot
 from broker.redis_server import RedisHandle, free_port, start_private_redis
-from broker.service import BrokerService, BrokerSettings, load_policy
+from broker.service import BrokerService, BrokerSettings, load_policy, tune_gc_for_broker
 from broker.session import Session
 from broker.worker_link import WorkerLink
 
@@ -254,6 +255,7 @@ def bench_admission(url: str, policy: str, backends: int, n: int, orphan_check_s
         client.set_mixture(dict(MIX))
         enqueue_all(client, "a", n, pool)
         client.close()
+        tune_gc_for_broker()  # as the `rollout-broker broker` process does
         timed = TimedPolicy(load_policy(policy))
         service = BrokerService(url, ns, timed,  # type: ignore[arg-type]
                                 BrokerSettings(lease_period_s=5, orphan_check_s=orphan_check_s))
@@ -714,8 +716,16 @@ def main() -> int:
     ap.add_argument("--redis-url", default=None,
                     help="use this Redis (default: a private redis-server, removed at the end)")
     ap.add_argument("--skip", default="", help="comma-separated: admission,memory,million,sim")
+    ap.add_argument("--policies", default=None,
+                    help="admission: comma-separated policies (default misa_t,least_loaded)")
     args = ap.parse_args()
     cfg = QUICK if args.quick else Config()
+    if args.policies:
+        names = tuple(p for p in args.policies.split(",") if p)
+        unknown_policies = set(names) - set(policy_names())
+        if not names or unknown_policies:
+            ap.error(f"--policies: unknown {', '.join(sorted(unknown_policies)) or '(none given)'}")
+        cfg = replace(cfg, policies=names)
     skip = {s for s in args.skip.split(",") if s}
     unknown = skip - {"admission", "memory", "million", "sim"}
     if unknown:
