@@ -46,6 +46,7 @@ import importlib
 import logging
 import math
 import os
+import signal
 import threading
 import time
 import tomllib
@@ -559,7 +560,18 @@ def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "de
             stop.set()
             super().request_stop(signum, frame)
 
+        def _install_signal_handlers(self):
+            # RQ registers the worker before it installs its handlers; a SIGTERM in between
+            # (ours, below, caught it) must still end in RQ's clean stop, which deregisters
+            # the worker, or its registration outlives it by RQ's worker TTL (minutes).
+            super()._install_signal_handlers()
+            if stop.is_set():
+                self._stop_requested = True
+
     use_registry(registry)
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):  # until RQ installs its own
+            signal.signal(signum, lambda *_: stop.set())
     outage = Outage("tool worker", log)
     conn = connect(redis_url)
     while not stop.is_set():

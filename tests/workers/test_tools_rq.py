@@ -114,3 +114,51 @@ def test_rq_queues_are_per_namespace(redis_url, redis_client):
     finally:
         redis_client.delete("rq:queue:rb-job-a-tools")
         asyncio.run(ex.aclose())
+
+
+def test_a_tool_worker_stopped_while_rq_registers_it_leaves_no_registration(redis_url, namespace):
+    """RQ registers a worker before it installs its signal handlers; a SIGTERM in between
+    (here made certain by slowing RQ's subscribe step, which sits in that window) must still end
+    in RQ's clean stop, or the registration outlives the process by RQ's worker TTL and the
+    `tools` probe calls a dead worker healthy."""
+    import signal
+    import time
+
+    import redis
+    from rq import Worker
+
+    root = Path(__file__).resolve().parents[2]
+    child = (
+        "import sys, time\n"
+        "import rq.worker.base as base\n"
+        "subscribe = base.BaseWorker.subscribe\n"
+        "def slow(self):\n"
+        "    print('registered', flush=True)\n"
+        "    time.sleep(2.0)\n"
+        "    subscribe(self)\n"
+        "base.BaseWorker.subscribe = slow\n"
+        "from broker.cli import app\n"
+        "sys.argv = ['rollout-broker', 'tools', '--redis-url', sys.argv[1], '--namespace', sys.argv[2]]\n"
+        "app()\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", child, redis_url, namespace], cwd=root,
+                         env=dict(os.environ, PYTHONPATH=str(root)), stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+    conn = redis.Redis.from_url(redis_url)
+    try:
+        assert p.stdout.readline().strip() == "registered"
+        mine = [w for w in Worker.all(connection=conn) if w.pid == p.pid]
+        assert mine, "the worker should be registered by now"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+        deadline = time.time() + 5
+        while time.time() < deadline and any(w.pid == p.pid for w in Worker.all(connection=conn)):
+            time.sleep(0.1)
+        assert not any(w.pid == p.pid for w in Worker.all(connection=conn))
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for w in Worker.all(connection=conn):
+            if w.pid == p.pid:
+                w.register_death()
+        conn.close()
