@@ -72,7 +72,8 @@ from broker.keys import Keys
 from broker.policies import policy_names
 from broker.policies.base import Decision, Snapshot
 from broker.redis_server import RedisHandle, free_port, start_private_redis
-from broker.service import BrokerService, BrokerSettings, load_policy, tune_gc_for_broker
+from broker.gc_tuning import few_collections
+from broker.service import BrokerService, BrokerSettings, load_policy
 from broker.session import Session
 from broker.worker_link import WorkerLink
 
@@ -255,7 +256,6 @@ def bench_admission(url: str, policy: str, backends: int, n: int, orphan_check_s
         client.set_mixture(dict(MIX))
         enqueue_all(client, "a", n, pool)
         client.close()
-        tune_gc_for_broker()  # as the `rollout-broker broker` process does
         timed = TimedPolicy(load_policy(policy))
         service = BrokerService(url, ns, timed,  # type: ignore[arg-type]
                                 BrokerSettings(lease_period_s=5, orphan_check_s=orphan_check_s))
@@ -743,9 +743,10 @@ def main() -> int:
             for policy in cfg.policies:
                 print(f"admission: {policy}, {cfg.backends} backends, {cfg.admit_n:,} sessions",
                       file=sys.stderr)
-                report["admission"][policy] = bench_admission(
-                    handle.url, policy, cfg.backends, cfg.admit_n, BrokerSettings().orphan_check_s,
-                    cfg.steady_s, cfg.steady_rate)
+                with few_collections():  # as the `rollout-broker broker` process runs
+                    report["admission"][policy] = bench_admission(
+                        handle.url, policy, cfg.backends, cfg.admit_n,
+                        BrokerSettings().orphan_check_s, cfg.steady_s, cfg.steady_rate)
         if "memory" not in skip:
             report["memory"] = {}
             for tokens, n in cfg.memory_n:

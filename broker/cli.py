@@ -117,7 +117,8 @@ def broker(
     import threading
 
     from broker.redis_conn import check_redis_url
-    from broker.service import BrokerService, BrokerSettings, load_policy, tune_gc_for_broker
+    from broker.gc_tuning import few_collections
+    from broker.service import BrokerService, BrokerSettings, load_policy
 
     try:
         check_redis_url(redis_url)
@@ -134,10 +135,10 @@ def broker(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     _serve_metrics(metrics_port)
-    tune_gc_for_broker()
     service = BrokerService(redis_url, namespace, chosen,
                             BrokerSettings(lease_period_s=lease_s, window=window))
-    service.run(stop)
+    with few_collections():  # broker/gc_tuning.py: measured in docs/measurement.md, Scale
+        service.run(stop)
 
 
 @app.command("bench")

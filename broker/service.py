@@ -25,7 +25,6 @@ counted, so nothing stays `running` forever holding KV.
 
 from __future__ import annotations
 
-import gc
 import importlib
 import logging
 import threading
@@ -94,21 +93,6 @@ class BrokerSettings:
 class _Held:
     entry: PendingEntry
     item: PendingItem
-
-
-# CPython collects its youngest generation every 700 net allocations and, every 100 such
-# collections, walks everything older. A broker at hundreds of backends holds tens of
-# thousands of long-lived objects (resident views, metadata, held sessions) and allocates
-# thousands per loop, so those walks ran inside its loop many times a second.
-BROKER_GC_THRESHOLD = 50_000
-
-
-def tune_gc_for_broker() -> None:
-    """Raise the young-generation threshold for a process that runs a broker (the
-    `rollout-broker broker` command; benchmarks that time a broker in-process call it too).
-    Measured: 2,392 -> 3,035 admissions/s at 256 backends (docs/measurement.md, Scale)."""
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(BROKER_GC_THRESHOLD, older, oldest)
 
 
 class BrokerService:

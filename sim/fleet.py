@@ -28,7 +28,6 @@ decide (the tests run it: tests/sim/test_fleet_index.py).
 from __future__ import annotations
 
 import copy
-import gc
 import heapq
 import itertools
 import time
@@ -37,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from broker.decision import LedgerEntry, apply_decision
+from broker.gc_tuning import few_collections
 from broker.policies.base import (
     BackendView,
     Completion,
@@ -217,15 +217,11 @@ class FleetSim:
         collector runs a young pass every 700 net allocations and a full pass over the whole
         heap up to every 100 young ones, so its cost grows as allocations × heap, faster than
         the fleet (16 s of a 128-engine run of benchmarks/scale.py, 1.7 s at 32 engines).
-        During the run the young threshold is 50,000; the previous thresholds come back after."""
+        During the run the young threshold is raised (broker/gc_tuning.py)."""
         if self.policy is None:
             raise SimulationError("policy: set a policy before running the simulation")
-        thresholds = gc.get_threshold()
-        gc.set_threshold(max(thresholds[0], 50_000), *thresholds[1:])
-        try:
+        with few_collections():
             return self._run()
-        finally:
-            gc.set_threshold(*thresholds)
 
     def _run(self) -> FleetResult:
         limits = self.scenario.limits
