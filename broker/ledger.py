@@ -23,7 +23,7 @@ Admission keeps `reserved ≤ floor(α·C)`; lowering α never evicts anyone, so
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import redis
@@ -57,35 +57,31 @@ class EnqueueLimits:
     vocab_size: int | None = None  # the smallest vocabulary: a session may land on any backend
 
 
-def parse_ledger(backend_id: str, fields: dict, sessions: dict,
-                 cached: Callable[[str, str | None], dict[str, int] | None] | None = None
-                 ) -> LedgerState | None:
-    """A ledger from its two hashes as HGETALL returns them; None when never registered.
-    With `cached` (backend id, version -> the sessions read at that version, or None), the
-    sessions come from there and `sessions` is not read; when it has none for the ledger's
-    version the result carries version None and no sessions (the caller reads them)."""
-    f = {as_text(k): as_text(v) for k, v in fields.items()}
-    if "capacity" not in f:
+def parse_ledger(backend_id: str, fields: dict, sessions: dict) -> LedgerState | None:
+    """A ledger from its two hashes as HGETALL returns them; None when never registered."""
+    f = ledger_fields(fields)
+    if f is None:
         return None
-    version = ledger_version(f)
-    if cached is not None:
-        known = cached(backend_id, version)
-        if known is None:
-            version, parsed = None, {}
-        else:
-            parsed = known
-    else:
-        parsed = {as_text(k): int(v) for k, v in sessions.items()}
-    by_workload = {k[2:]: int(v) for k, v in f.items() if k.startswith("w:")}
+    return ledger_state(backend_id, f, {as_text(k): int(v) for k, v in sessions.items()})
+
+
+def ledger_fields(fields: Mapping) -> dict[str, str] | None:
+    """The ledger hash as text; None when the backend never registered."""
+    f = {as_text(k): as_text(v) for k, v in fields.items()}
+    return f if "capacity" in f else None
+
+
+def ledger_state(backend_id: str, f: Mapping[str, str], sessions: dict[str, int]) -> LedgerState:
+    """The ledger from its hash (`ledger_fields`) and its sessions, already read."""
     return LedgerState(
         backend_id=backend_id,
         capacity_tokens=int(f["capacity"]),
         max_model_len=int(f.get("max_model_len", 0)),
         alpha=float(f.get("alpha", 1.0)),
         reserved_tokens=int(f.get("reserved", 0)),
-        reserved_by_workload=by_workload,
-        sessions=parsed,
-        version=version,
+        reserved_by_workload={k[2:]: int(v) for k, v in f.items() if k.startswith("w:")},
+        sessions=sessions,
+        version=ledger_version(f),
     )
 
 

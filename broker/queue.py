@@ -127,8 +127,8 @@ def dead_letter(keys: Keys, stream: str, entry_id: str, fields: Mapping, reason:
     """Move an unreadable entry of `stream` (read by consumer group `group`) to the dead-letter
     stream with its reason, and mark its session `dead_lettered` if this was its queue entry
     (lua/dead_letter.lua)."""
-    sid = as_text(fields.get(b"sid", fields.get("sid", b"")))
-    session_key = keys.session(sid) if SESSION_ID_RE.match(sid) else keys.dead_letter
+    sid = entry_sid(fields)
+    session_key = keys.session(sid) if sid is not None else keys.dead_letter
     args: list = [entry_id, group, reason, repr(time.time())]
     for k, v in fields.items():
         args += [as_text(k), v]

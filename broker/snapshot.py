@@ -15,7 +15,7 @@ import redis
 
 from broker.heartbeat import HeartbeatRecord, SessionProgress, parse_heartbeat
 from broker.keys import BROKER_GROUP, Keys
-from broker.ledger import LedgerState, parse_ledger
+from broker.ledger import LedgerState, ledger_fields, ledger_state, ledger_version, parse_ledger
 from broker.policies.base import (
     BackendView,
     Completion,
@@ -160,13 +160,17 @@ def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
         raw_beats[b] = next(it)
         if sessions is not None:
             state = parse_ledger(b, fields, sessions)
+            if state is not None:
+                ledgers[b] = state
+            continue
+        f = ledger_fields(fields)
+        if f is None:
+            continue  # not registered
+        known = cache.sessions_at(b, ledger_version(f)) if cache is not None else None
+        if known is None:
+            changed.append(b)  # not at the cached version: read with its sessions below
         else:
-            state = parse_ledger(b, fields, {}, cache.sessions_at if cache is not None else None)
-            if state is not None and state.version is None:
-                changed.append(b)  # not at the cached version: read with its sessions below
-                continue
-        if state is not None:
-            ledgers[b] = state
+            ledgers[b] = ledger_state(b, f, known)
     if changed:
         again = client.pipeline(transaction=True)
         for b in changed:
