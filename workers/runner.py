@@ -137,14 +137,28 @@ class EngineWeights:
         self.draining = False  # the worker stops: cut sessions are handed back with their output
         self._generating = asyncio.Event()
         self._generating.set()
+        self._pause_done = asyncio.Event()  # the worker has paused its engine and said so
+        self._pause_done.set()
 
     @property
     def paused(self) -> bool:
         return not self._generating.is_set()
 
-    def pause(self, epoch: int) -> None:
+    def pause(self, epoch: int, mode: str) -> None:
         self.epoch = max(self.epoch, epoch)
         self._generating.clear()
+        if mode == "abort":  # (`wait` lets requests finish: their replies are read at once)
+            self._pause_done.clear()
+
+    def pause_done(self) -> None:
+        """The worker has paused its engine and acknowledged it (or given up trying)."""
+        self._pause_done.set()
+
+    async def after_pause_done(self) -> None:
+        """Wait while the worker pauses its engine with `abort`: a reply the pause cut short is
+        read after the acknowledgement, which the trainer is waiting for (on a busy host, parsing the
+        replies first delays it); the turn waits for the resume anyway."""
+        await self._pause_done.wait()
 
     def resume(self, version: int) -> None:
         self.version = version
@@ -293,6 +307,7 @@ class SessionRunner:
                 last = describe_error(exc)
                 continue
             if r.status_code < 400:
+                await self.weights.after_pause_done()
                 return r.json()
             last = f"HTTP {r.status_code}: {r.text[:300]}"
             if r.status_code < 500:

@@ -215,13 +215,16 @@ class Worker:
     async def _pause_engine(self, http: httpx.AsyncClient, mode: str, epoch: int) -> None:
         """Pause the engine with vLLM's API, then acknowledge; sessions whose requests it
         aborts wait for the resume (workers/runner.py)."""
-        self.weights.pause(epoch)
-        # `wait` returns once the engine's requests have finished: as long as a turn may take.
-        if not await self._engine_call(http, "/pause", {"mode": mode},
-                                       self.settings.runner.request_timeout_s):
-            log.error("worker %s: pause %d not acknowledged", self.settings.backend_id, epoch)
-            return
-        await self._redis_until_ok(self.link.ack_paused, epoch)
+        self.weights.pause(epoch, mode)
+        try:
+            # `wait` returns once the engine's requests have finished: as long as a turn may take.
+            if not await self._engine_call(http, "/pause", {"mode": mode},
+                                           self.settings.runner.request_timeout_s):
+                log.error("worker %s: pause %d not acknowledged", self.settings.backend_id, epoch)
+                return
+            await self._redis_until_ok(self.link.ack_paused, epoch)
+        finally:
+            self.weights.pause_done()
         log.info("worker %s: engine paused (%s, pause %d)", self.settings.backend_id, mode, epoch)
 
     async def _resume_engine(self, http: httpx.AsyncClient, version: int) -> None:

@@ -11,7 +11,8 @@ from broker.session import PartialRollout, SamplingParams, Session, SessionState
 from sim.server.testing import running_engine
 from workers.engine import read_engine_info
 from tests.workers.tools_for_tests import TOOLS_TOML
-from workers.runner import EngineUnavailable, Outcome, RunnerSettings, SessionRunner
+from workers.runner import (EngineUnavailable, EngineWeights, Outcome, RunnerSettings,
+                            SessionRunner)
 from workers.tools import InlineExecutor, load_registry
 
 pytestmark = pytest.mark.timeout(60)
@@ -215,6 +216,31 @@ def test_engine_4xx_fails_at_once():
 
     r = asyncio.run(go()).result
     assert r.status == SessionState.failed and "HTTP 400" in r.error
+
+
+def test_a_reply_that_arrives_while_the_worker_pauses_with_abort_is_read_after_the_ack():
+    """The trainer waits for every worker's pause acknowledgement; replies the pause cut short
+    (thousands of tokens with logprobs each) are parsed after it. A `wait` pause holds nothing:
+    its requests finish normally and are delivered at once."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"ok": 1})
+
+    async def go():
+        weights = EngineWeights()
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            runner = SessionRunner(http, "http://engine", "m", 1000, InlineExecutor(),
+                                   weights=weights)
+            weights.pause(1, "abort")
+            reading = asyncio.create_task(runner._post({}))
+            await asyncio.sleep(0.05)
+            assert not reading.done()
+            weights.pause_done()
+            assert await asyncio.wait_for(reading, 5) == {"ok": 1}
+            weights.resume(1)
+            weights.pause(2, "wait")
+            assert await asyncio.wait_for(runner._post({}), 5) == {"ok": 1}
+
+    asyncio.run(go())
 
 
 def test_engine_info_reads_capacity_and_context(engine):
