@@ -155,9 +155,9 @@ class EngineWeights:
         self._pause_done.set()
 
     async def after_pause_done(self) -> None:
-        """Wait while the worker pauses its engine with `abort`: a reply the pause cut short is
-        read after the acknowledgement, which the trainer is waiting for (on a busy host, parsing the
-        replies first delays it); the turn waits for the resume anyway."""
+        """Wait while the worker pauses its engine with `abort`: a reply the pause cut short
+        is read after the acknowledgement, which the trainer is waiting for (on a busy host,
+        parsing the replies first delays it); the turn waits for the resume anyway."""
         await self._pause_done.wait()
 
     def resume(self, version: int) -> None:
