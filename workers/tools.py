@@ -30,8 +30,10 @@ Executors:
 - `RqExecutor` enqueues on RQ queues `tools` and `rewards` with RQ's job timeout (the work horse
   is killed), `Retry(max=retries)`, and its failed-job registry keeping what failed for
   `failure_ttl`. CPU tool workers: `rollout-broker tools --redis-url URL`; the registry that
-  counts is theirs. One poller task per executor fetches the status of every job in flight in
-  one round trip per tick, and rides out a Redis outage until the call's deadline. The queues
+  counts is theirs. A job's success callback pushes its result onto the executor's reply list
+  (`reply_to_caller`), read by one listener task as it arrives; one poller task fetches the
+  status of every job still waiting in one round trip per `poll_s` (failures, and results whose
+  push was lost), and rides out a Redis outage until the call's deadline. The queues
   may live on a Redis of their own (`--tools-redis-url`, RB_TOOLS_REDIS_URL), and must when the
   main one is a Redis Cluster: RQ's keys span hash slots (`tools_redis_url`).
 Both raise `ToolError` with the reason when the call fails or times out (the session's fault),
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import logging
 import math
 import os
@@ -50,6 +53,7 @@ import signal
 import threading
 import time
 import tomllib
+import uuid
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -328,6 +332,28 @@ def run_reward(call: dict) -> float:
     return float(active_registry().reward(call["scorer"])(call))
 
 
+REPLY_TTL_S = 3600  # a reply list outlives its executor by this much at most
+
+
+def reply_to_caller(job, connection, result, *args, **kwargs) -> None:
+    """RQ's success callback of every tool and reward job: push the result onto the reply
+    list of the executor that enqueued it (`job.meta["reply_to"]`), which waits on it, so the
+    session goes on at once instead of at the executor's next poll. It never raises: RQ would
+    count a failed callback as a failed job and run the tool again; the poll finds the
+    result in RQ's own record instead."""
+    key = job.meta.get("reply_to")
+    if not key:
+        return
+    try:
+        pipe = connection.pipeline(transaction=False)
+        pipe.rpush(key, json.dumps({"id": job.id, "value": result}))
+        pipe.expire(key, REPLY_TTL_S)
+        pipe.execute()
+    except Exception as exc:
+        log.warning("rq job %s: could not push its result to %s (%s); the caller polls it",
+                    job.id, key, type(exc).__name__)
+
+
 # -- executors ------------------------------------------------------------------------------
 
 class ToolExecutor(Protocol):
@@ -396,10 +422,13 @@ class InlineExecutor:
 
 
 class RqExecutor:
-    """Tool and reward calls as RQ jobs; results collected by one poller task."""
+    """Tool and reward calls as RQ jobs. A job's success callback (`reply_to_caller`) pushes
+    its result onto this executor's reply list, which one listener task reads as it arrives;
+    a poller task fetches the status of every job still waiting each `poll_s`: failures, and
+    results whose push was lost."""
 
     def __init__(self, redis_url: str, namespace: str = "default", timeout_s: float = 60.0,
-                 retries: int = 1, poll_s: float = 0.05, failure_ttl_s: int = 24 * 3600) -> None:
+                 retries: int = 1, poll_s: float = 0.25, failure_ttl_s: int = 24 * 3600) -> None:
         from rq import Queue
         from rq.serializers import JSONSerializer
 
@@ -409,21 +438,25 @@ class RqExecutor:
         self.failure_ttl_s = failure_ttl_s
         _refuse_cluster(redis_url, "tools_redis_url")
         self._redis = connect(redis_url)
+        self._listen_redis = connect(redis_url)  # its own connections: it blocks on BLPOP
         self._outage = Outage("rq tool calls", log)
         self._serializer = JSONSerializer
         self._tools_queue, self._rewards_queue = tool_queues(namespace)
         self._queues = {name: Queue(name, connection=self._redis, serializer=JSONSerializer)
                         for name in (self._tools_queue, self._rewards_queue)}
+        self._replies = f"{self._tools_queue}-replies-{uuid.uuid4().hex[:12]}"
         # job id -> (future, what, deadline): every job still in flight
         self._waiting: dict[str, tuple[asyncio.Future, str, float]] = {}
         self._poller: asyncio.Task | None = None
+        self._listener: asyncio.Task | None = None
 
     def _enqueue(self, queue: str, fn: Callable, payload: dict) -> str:
-        from rq import Retry
+        from rq import Callback, Retry
 
         job = self._queues[queue].enqueue_call(
             fn, args=(payload,), timeout=max(1, math.ceil(self.timeout_s)), result_ttl=300,
-            failure_ttl=self.failure_ttl_s,
+            failure_ttl=self.failure_ttl_s, meta={"reply_to": self._replies},
+            on_success=Callback(reply_to_caller),
             retry=Retry(max=self.retries) if self.retries > 0 else None)
         return job.id
 
@@ -440,9 +473,34 @@ class RqExecutor:
                                   f"({type(exc).__name__})") from None
         fut = asyncio.get_running_loop().create_future()
         self._waiting[job_id] = (fut, what, deadline)
+        loop = asyncio.get_running_loop()
         if self._poller is None or self._poller.done():
-            self._poller = asyncio.get_running_loop().create_task(self._poll(), name="rq-poller")
+            self._poller = loop.create_task(self._poll(), name="rq-poller")
+        if self._listener is None or self._listener.done():
+            self._listener = loop.create_task(self._listen(), name="rq-replies")
         return await fut
+
+    def _read_replies(self, block_s: int = 1) -> list[bytes]:
+        first = self._listen_redis.blpop([self._replies], timeout=block_s)
+        if first is None:
+            return []
+        return [first[1], *(self._listen_redis.lpop(self._replies, 255) or [])]
+
+    async def _listen(self) -> None:
+        """Hand each pushed result to its call (`reply_to_caller`), until nothing waits."""
+        while self._waiting:
+            try:
+                replies = await asyncio.to_thread(self._read_replies)
+            except Exception as exc:  # an outage: the poller rides it out; listen again later
+                if not is_outage(exc):
+                    raise
+                await asyncio.sleep(self._outage.failed(exc))
+                continue
+            for raw in replies:
+                reply = json.loads(raw)
+                entry = self._waiting.pop(reply["id"], None)
+                if entry is not None and not entry[0].done():
+                    entry[0].set_result(reply["value"])
 
     def _statuses(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         from rq.job import Job, JobStatus
@@ -520,9 +578,16 @@ class RqExecutor:
                                         call.model_dump()))
 
     async def aclose(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
+        for task in (self._poller, self._listener):
+            if task is not None:
+                task.cancel()
+        try:
+            self._redis.delete(self._replies)
+        except Exception as exc:  # it expires on its own
+            if not is_outage(exc):
+                raise
         self._redis.close()
+        self._listen_redis.close()
 
 
 def make_executor(kind: str, redis_url: str, namespace: str, timeout_s: float = 60.0,

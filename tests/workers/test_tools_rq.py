@@ -162,3 +162,47 @@ def test_a_tool_worker_stopped_while_rq_registers_it_leaves_no_registration(redi
             if w.pid == p.pid:
                 w.register_death()
         conn.close()
+
+
+def test_a_result_reaches_its_call_when_the_job_ends_not_at_the_next_poll(redis_url, namespace):
+    """The job's success callback pushes the result to the executor; with a poll interval
+    longer than the test, only that push can deliver it."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    worker = subprocess.Popen([sys.executable, "-m", "broker.cli", "tools", "--redis-url",
+                               redis_url, "--namespace", namespace], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def go():
+        ex = RqExecutor(redis_url, namespace, timeout_s=30.0, retries=0, poll_s=600.0)
+        try:
+            out = await asyncio.wait_for(ex.call_tool(call("sim", turn=1)), 60)
+            reward = await asyncio.wait_for(ex.score(RewardCall(
+                session_id="s1", workload="rlvr", scorer="parity",
+                output_token_ids=[[2, 4, 5, 7]])), 60)
+            return len(out.observation_token_ids), reward
+        finally:
+            await ex.aclose()
+
+    try:
+        assert asyncio.run(go()) == (9, 0.5)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+
+
+def test_a_reply_that_cannot_be_pushed_does_not_fail_the_job():
+    """RQ counts a raising success callback as the job's failure and runs the tool again; the
+    callback swallows the error (the caller's poll finds the result in RQ's record)."""
+    from workers.tools import reply_to_caller
+
+    class Job:
+        id = "j1"
+        meta = {"reply_to": "rb-x-tools-replies-1"}
+
+    class DownRedis:
+        def pipeline(self, transaction=True):
+            raise ConnectionError("redis down")
+
+    reply_to_caller(Job(), DownRedis(), {"done": True})  # does not raise
+    Job.meta = {}
+    reply_to_caller(Job(), None, 1.0)  # enqueued by an older executor: nothing to push to
