@@ -323,7 +323,7 @@ def demo(
     time_scale: Annotated[float, typer.Option(help="simulated seconds per wall second")] = 20.0,
     kv_tokens: Annotated[Optional[int], typer.Option(help="KV tokens per engine (default: the scenario's)")] = None,
     tools: Annotated[str, typer.Option(help="tool calls and rewards: inline | rq (RQ tool workers)")] = "inline",
-    tool_workers: Annotated[int, typer.Option(help="--tools rq: RQ tool worker processes")] = 8,
+    tool_workers: Annotated[int, typer.Option(help="--tools rq: RQ tool worker processes")] = 16,
     redis_url: Annotated[Optional[str], typer.Option(help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0; a private server if none answers)", envvar="RB_REDIS_URL")] = None,
 ) -> None:
     """Run the whole system on this machine (Redis, engines, workers, broker, a trainer) and show it live."""
