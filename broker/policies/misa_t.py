@@ -116,6 +116,19 @@ class _Track:
     peak_context: int = 0  # largest context seen in a heartbeat (a multi-turn session's KV peak)
 
 
+@dataclass(slots=True)
+class _Booked:
+    """One backend's accounting in the last decide(): reused while nothing moved there (the
+    broker's ViewCache hands back the very same sessions tuple for an unchanged backend)."""
+
+    sessions: tuple[ResidentSession, ...] | None  # None after a re-charge: the next view differs
+    capacity_tokens: int
+    max_model_len: int
+    by_workload: dict[str, float]  # charge per workload
+    reserved: float
+    in_flight: int
+
+
 @register
 class MisaT(Policy):
     name = "misa_t"
@@ -129,8 +142,7 @@ class MisaT(Policy):
         self._last_hb: dict[str, Telemetry] = {}
         self._calm_since: dict[str, float] = {}
         self._usage_ratio: dict[str, float | None] = {}  # ρ_b: KV in use per token charged
-        # Per backend: the sessions tuple last summed and its charge per workload.
-        self._sums: dict[str, tuple[tuple[ResidentSession, ...] | None, dict[str, float]]] = {}
+        self._booked: dict[str, _Booked] = {}  # per backend: its accounting at the last call
         self._running = 0  # within one decide(): running sessions over the healthy backends
         self._healthy = 1  # ... and how many healthy backends there are
         self._max_len = 1 << 30  # smallest max_model_len seen: no context exceeds it
@@ -192,46 +204,58 @@ class MisaT(Policy):
         for view in snapshot.backends:
             b = view.backend_id
             present.add(b)
-            self.prefix.sync_backend(b, view.capacity_tokens)
-            self._max_len = min(self._max_len, view.max_model_len)
             hb = view.telemetry
-            fresh = hb is not None and (b not in self._last_hb or hb.at > self._last_hb[b].at)
-            reserved = self._charge_residents(view, snapshot.now, fresh, used, decision)
-            alpha = self._adapt_alpha(view, fresh, work_pending, reserved, snapshot.now)
+            last = self._last_hb.get(b)
+            fresh = hb is not None and (last is None or hb.at > last.at)
+            booked = self._booked.get(b)
+            if (not fresh and booked is not None and booked.sessions is view.sessions
+                    and booked.capacity_tokens == view.capacity_tokens
+                    and booked.max_model_len == view.max_model_len):
+                # Nothing moved here since the last call: the same sums, α and prefix horizon.
+                for w, charge in booked.by_workload.items():
+                    used[w] = used.get(w, 0.0) + charge
+                alpha = self.alpha[b]
+            else:
+                self.prefix.sync_backend(b, view.capacity_tokens)
+                self._max_len = min(self._max_len, view.max_model_len)
+                booked = self._charge_residents(view, snapshot.now, fresh, used, decision)
+                alpha = self._adapt_alpha(view, fresh, work_pending, booked.reserved,
+                                          snapshot.now)
             if abs(view.alpha - alpha) > 1e-9:
                 decision.alpha[b] = alpha
             if view.healthy:
-                out.append(BackendState(view, alpha * view.capacity_tokens, reserved, view.in_flight))
+                out.append(BackendState(view, alpha * view.capacity_tokens, booked.reserved,
+                                        booked.in_flight))
         for b in self.prefix.backends():
             if b not in present:
                 self.prefix.drop_backend(b)
                 self._last_hb.pop(b, None)
                 self._usage_ratio.pop(b, None)
-                self._sums.pop(b, None)
+                self._booked.pop(b, None)
         return out, used
 
     def _charge_residents(self, view: BackendView, now: float, fresh: bool,
-                          used: dict[str, float], decision: Decision) -> float:
+                          used: dict[str, float], decision: Decision) -> _Booked:
         """Each resident session's charge (re-charged on a fresh heartbeat when residency
-        accounting is on), summed into `used` per workload; returns the backend's total."""
+        accounting is on), summed into `used` per workload; returns the backend's booking."""
         recharge = fresh and self.config.residency_accounting
-        memo = self._sums.get(view.backend_id)
-        if not recharge and memo is not None and memo[0] is view.sessions:
-            # The very same sessions as last call (the broker's ViewCache hands the same
-            # tuple back when nothing on this backend changed): their sums are known.
-            by_workload = memo[1]
+        booked = self._booked.get(view.backend_id)
+        if not recharge and booked is not None and booked.sessions is view.sessions:
+            by_workload = booked.by_workload  # the very same sessions: their sums are known
         else:
             by_workload = {}
             for s in view.sessions:
                 charge = self._recharge(s, view, now, decision) if recharge else s.reserved_tokens
                 by_workload[s.workload] = by_workload.get(s.workload, 0.0) + charge
-            # After a re-charge the next view carries the new charges: no memo to reuse.
-            self._sums[view.backend_id] = (None if recharge else view.sessions, by_workload)
         reserved = 0.0
         for w, charge in by_workload.items():
             reserved += charge
             used[w] = used.get(w, 0.0) + charge
-        return reserved
+        # After a re-charge the next view carries the new charges: nothing to reuse then.
+        booked = _Booked(None if recharge else view.sessions, view.capacity_tokens,
+                         view.max_model_len, by_workload, reserved, view.in_flight)
+        self._booked[view.backend_id] = booked
+        return booked
 
     def _adapt_alpha(self, view: BackendView, fresh: bool, work_pending: bool,
                      reserved: float, now: float) -> float:

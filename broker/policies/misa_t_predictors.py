@@ -29,7 +29,7 @@ class TailWindow:
     Invariant: `sorted` holds exactly the values of `recent` (a multiset), in order.
     """
 
-    __slots__ = ("size", "min_samples", "prior", "recent", "sorted")
+    __slots__ = ("size", "min_samples", "prior", "recent", "sorted", "_tail_sums")
 
     def __init__(self, size: int, min_samples: int, prior: float) -> None:
         self.size = size
@@ -37,12 +37,15 @@ class TailWindow:
         self.prior = prior  # answer for every query while the window is too small
         self.recent: deque[float] = deque()
         self.sorted: list[float] = []
+        # sum(sorted[i:]) by i, for the window as it is (a decide() asks the same few many times)
+        self._tail_sums: dict[int, float] = {}
 
     @property
     def warm(self) -> bool:
         return len(self.recent) >= self.min_samples
 
     def add(self, value: float) -> None:
+        self._tail_sums.clear()
         self.recent.append(value)
         insort(self.sorted, value)
         if len(self.recent) > self.size:
@@ -79,7 +82,10 @@ class TailWindow:
         if tail is None:
             return max(self.prior, x)
         s, lo, above = tail
-        return sum(s[lo:]) / above
+        total = self._tail_sums.get(lo)
+        if total is None:
+            total = self._tail_sums[lo] = sum(s[lo:])
+        return total / above
 
     def _tail(self, x: float) -> tuple[list[float], int, int] | None:
         """(sorted samples, index of the first above x, how many are above), or None when the

@@ -245,6 +245,21 @@ def test_expected_end_is_the_conditional_mean_with_the_cap_until_the_tail_is_kno
     assert w.expected_end(550) == 1000.0  # 2 samples above: unknown tail, the cap
 
 
+def test_expected_end_follows_every_new_sample_and_the_window_sliding() -> None:
+    """It is asked the same few thresholds many times per decide() (every admission asks for
+    a turn from 0), so sums are kept between calls: each answer must still be the conditional
+    mean of the window as it is now."""
+    import random
+    rng = random.Random(7)
+    w = TailWindow(size=40, min_samples=4, prior=5000.0)
+    for _ in range(300):
+        w.add(float(rng.randrange(1, 3000)))
+        for x in (0.0, 0.0, 100.0, float(rng.randrange(0, 3000))):
+            above = [v for v in w.recent if v > x]
+            want = sum(above) / len(above) if w.warm and len(above) >= 4 else max(5000.0, x)
+            assert w.expected_end(x) == pytest.approx(want)
+
+
 def test_hold_breaks_even_where_wait_times_history_meets_prefill_price() -> None:
     policy = _agentic_policy(tool_wait_per_gap=5.0)
     v = view("a", telemetry=hb(1.0, usage=0.5))
@@ -536,43 +551,69 @@ def test_ablations_are_misa_t_with_one_switch_off() -> None:
 
 def test_sums_kept_for_an_unchanged_backend_give_the_decisions_of_summing_again() -> None:
     """The broker hands back the very same sessions tuple for a backend where nothing changed;
-    MisaT then reuses its sums. Decisions must be those of a policy given copies (which sums
-    every time), and no backend may be charged past α·C by what it holds and what it gets."""
+    MisaT then reuses its accounting there (sums, α, prefix horizon) unless its heartbeat or
+    cache size moved. Decisions must be those of a policy given copies (which accounts for
+    every backend every time), and no backend may be charged past α·C by what it holds and
+    what it gets."""
     import random
     rng = random.Random(3)
     kept, summed = MisaT(), MisaT()
     residents: dict[str, list[ResidentSession]] = {b: [] for b in "abcd"}
     tuples: dict[str, tuple[ResidentSession, ...]] = {}
     beats: dict[str, Telemetry] = {}
+    caps = dict.fromkeys("abcd", 20_000)
     n = 0
-    for step in range(120):
+    for step in range(200):
         now = float(step)
         for b in rng.sample("abcd", 2):  # two backends change each step
             if residents[b] and rng.random() < 0.4:
                 residents[b].pop(rng.randrange(len(residents[b])))
             else:
-                residents[b].append(resident(f"r{n}", reserved=rng.randint(500, 5000)))
+                residents[b].append(resident(f"r{n}", reserved=rng.randint(500, 5000),
+                                             workload=rng.choice(("rlhf", "rlvr"))))
                 n += 1
             tuples[b] = tuple(residents[b])
         if step % 3 == 0:
             b = rng.choice("abcd")
             beats[b] = hb(now, usage=rng.uniform(0.2, 0.9))
-        items = [pending(f"p{step}-{i}", at=now) for i in range(rng.randint(0, 4))]
-        same = [view(b, telemetry=beats.get(b), capacity=20_000) for b in "abcd"]
+        if step % 17 == 5:  # a backend's engine restarts with another cache size
+            caps[rng.choice("abcd")] = rng.choice((16_000, 20_000, 24_000))
+        items = []
+        for i in range(rng.randint(0, 3)):  # GRPO pairs on a few shared prompts
+            w, p = rng.choice(("rlhf", "rlvr")), rng.randrange(6)
+            prompt = tuple(range(p * 1000, p * 1000 + 300))
+            items += [pending(f"p{step}-{i}-{m}", workload=w, group=f"g{step}-{i}", size=2,
+                              prompt=300, prefix=prompt, at=now) for m in range(2)]
+        same = [view(b, telemetry=beats.get(b), capacity=caps[b]) for b in "abcd"]
         same = [dataclasses.replace(v, sessions=tuples.get(b, ())) for b, v in zip("abcd", same)]
         copies = [dataclasses.replace(v, sessions=tuple(list(v.sessions))) for v in same]
-        a = kept.decide(snap(same, items, now=now))
-        b_ = summed.decide(snap(copies, items, now=now))
+        mix = {"rlhf": 0.5, "rlvr": 0.5}
+        a = kept.decide(snap(same, items, now=now, target=mix))
+        b_ = summed.decide(snap(copies, items, now=now, target=mix))
         assert a == b_, f"step {step}"
         for b in "abcd":
             got = sum(adm.reserved_tokens for adm in a.admissions if adm.backend_id == b)
             if got:
                 held = sum(a.recharge.get(r.session_id, r.reserved_tokens) for r in tuples.get(b, ()))
-                assert held + got <= kept.alpha[b] * 20_000 + 1e-6, f"step {step}, backend {b}"
+                assert held + got <= kept.alpha[b] * caps[b] + 1e-6, f"step {step}, backend {b}"
         for adm in a.admissions:  # the broker would add them: a new tuple there
             tuples[adm.backend_id] = tuples.get(adm.backend_id, ()) + (
                 resident(adm.session_id, reserved=int(adm.reserved_tokens)),)
             residents[adm.backend_id] = list(tuples[adm.backend_id])
+
+
+def test_a_backend_whose_cache_size_changes_is_accounted_again_with_the_same_sessions() -> None:
+    """An engine restarted with another KV size may come back with the very same sessions
+    tuple; the prefix index's horizon and the context limit must follow its new size."""
+    policy = MisaT()
+    sessions = (resident("r1", reserved=2000),)
+    for step, (capacity, max_len) in enumerate(((20_000, 9_000), (20_000, 9_000),
+                                                (8_000, 9_000), (8_000, 7_000))):
+        v = dataclasses.replace(view("a", capacity=capacity), sessions=sessions,
+                                max_model_len=max_len)
+        policy.decide(snap([v], [pending(f"p{step}")]))
+        assert policy.prefix._caches["a"].horizon == capacity
+        assert policy._max_len == max_len
 
 
 def test_placing_a_key_changes_its_matches_only_on_that_backend_to_the_whole_key() -> None:
