@@ -36,15 +36,16 @@ def test_loops_and_arrays_choose_the_same_backend_through_a_call(seed):
     pool_a = arrays.pool([twins[i] for i in held])
     chosen = 0
     hits_l = hits_a = None
-    for _ in range(300):
-        charge = rng.choice((500.0, 4_000.0, 20_000.0, rng.uniform(1, 80_000)))
-        if rng.random() < 0.5:  # a new key (else the group's next member, same key)
+    charge, run_slack = 500.0, 1.0
+    for _ in range(600):
+        if rng.random() < 0.4:  # a new key (else the group's next member: same key and charge)
+            charge = rng.choice((500.0, 4_000.0, 20_000.0, rng.uniform(1, 80_000)))
+            run_slack = rng.choice((0.0, 1.0, 2.5, 6.0))
             matched = (None if rng.random() < 0.3 else
                        {f"b{i}": rng.choice((16, 1024, 4096)) for i in rng.sample(range(n), rng.randrange(n + 1))}
                        | ({"gone": 64} if rng.random() < 0.1 else {}))
             hits_l = loops.hits(matched) if matched is not None else None
             hits_a = arrays.hits(matched) if matched is not None else None
-        run_slack = rng.choice((1.0, 2.5, 6.0))
         a, hit_a = loops.choose(pool_l, charge, hits_l, run_slack)
         b, hit_b = arrays.choose(pool_a, charge, hits_a, run_slack)
         assert (a.view.backend_id if a else None, hit_a) == (b.view.backend_id if b else None, hit_b)
@@ -57,4 +58,13 @@ def test_loops_and_arrays_choose_the_same_backend_through_a_call(seed):
             placement.placed(target)
             if hits is not None:
                 placement.key_placed(hits, target, 8192)
+        if rng.random() < 0.2:  # a follow-up turn placed at home meanwhile, not by choice
+            i = rng.randrange(n)
+            grow, more, cached = rng.choice((1_000.0, 30_000.0)), rng.choice((1, 8)), rng.random() < 0.5
+            for placement, states, hits in ((loops, fleets, hits_l), (arrays, twins, hits_a)):
+                states[i].reserved += grow
+                states[i].running += more
+                placement.placed(states[i])
+                if hits is not None and cached:  # (its prompt shares the group's prefix)
+                    placement.key_placed(hits, states[i], 8192)
     assert chosen > 0
