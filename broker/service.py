@@ -118,6 +118,7 @@ class BrokerService:
         self._front: dict[str, dict[str, _Held]] = {}
         self._back: dict[str, dict[str, _Held]] = {}
         self._meta: dict[str, ResidentMeta] = {}
+        self._placed_on: dict[str, str] = {}  # session -> backend, for those admitted here
         self._unreadable: set[str] = set()  # resident sessions whose state hash did not parse
         self._workloads: tuple[str, ...] = ()
         self._last_result_id = "0-0"
@@ -323,6 +324,7 @@ class BrokerService:
             if c is not None:
                 self._completions.append(c)
                 self._meta.pop(c.session_id, None)
+                self._placed_on.pop(c.session_id, None)
 
     def _load_meta(self, fleet: FleetRead) -> None:
         """Metadata of resident sessions this broker did not admit itself (after a takeover);
@@ -335,6 +337,8 @@ class BrokerService:
             if len(self._meta) > len(keep & self._meta.keys()):  # some remembered ones left
                 self._meta = {sid: m for sid, m in self._meta.items() if sid in keep}
                 self._unreadable &= keep
+            if len(self._placed_on) > len(keep & self._placed_on.keys()):
+                self._placed_on = {sid: b for sid, b in self._placed_on.items() if sid in keep}
         missing: list[str] = []
         for b, led in fleet.ledgers.items():
             if led.version is not None and self._meta_checked.get(b) == led.version:
@@ -519,10 +523,26 @@ class BrokerService:
         # A router baseline forwards everything and lets the engine queue: the ledger charges
         # its sessions but does not hold them back, or the baseline would be secretly admitted.
         enforce = not self.policy.dispatch_on_arrival
+        # Only the ledgers the decision can touch (copied: the plan charges them): of its α
+        # changes, its admissions and the backends of its recharged sessions (each charged on
+        # one at most), not a copy and an index of every resident session on every loop.
+        touched = set(decision.alpha)
+        touched.update(adm.backend_id for adm in decision.admissions)
+        unknown = set()
+        for sid in decision.recharge:
+            b = self._placed_on.get(sid)
+            led = fleet.ledgers.get(b) if b is not None else None
+            if led is not None and sid in led.sessions:
+                touched.add(b)
+            else:  # admitted by an earlier broker (or moved): look it up
+                unknown.add(sid)
+        if unknown:
+            touched.update(b for b, led in fleet.ledgers.items()
+                           if any(sid in led.sessions for sid in unknown))
         ledgers = {b: LedgerEntry(capacity_tokens=led.capacity_tokens, alpha=led.alpha,
                                   sessions=dict(led.sessions), healthy=fleet.heartbeats.get(b) is not None,
                                   reserved_tokens=led.reserved_tokens)
-                   for b, led in fleet.ledgers.items()}
+                   for b, led in fleet.ledgers.items() if b in touched}
         for adm in decision.admissions:
             if self._find(adm.session_id) is None or adm.backend_id not in ledgers:
                 log.error("policy %s admitted %s to %s: unknown session or backend",
@@ -559,6 +579,7 @@ class BrokerService:
             if r == "ok":
                 queue.pop(sid, None)
                 self._meta[sid] = resident_meta(held.entry.session, now)
+                self._placed_on[sid] = b
                 admitted += 1
                 metrics.ADMISSIONS.labels(held.item.workload).inc()
                 metrics.QUEUE_WAIT.labels(held.item.workload).observe(

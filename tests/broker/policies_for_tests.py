@@ -50,3 +50,21 @@ class OverbookingPolicy(HeadroomPolicy):
             out.admissions.append(Admission(item.session_id, healthy[i % len(healthy)],
                                             default_reservation(item)))
         return out
+
+
+class RechargingPolicy(HeadroomPolicy):
+    """Admits as HeadroomPolicy and re-charges every resident session to `charge` tokens."""
+
+    name = "test_recharging"
+
+    def __init__(self, charge: int) -> None:
+        super().__init__()
+        self.charge = charge
+
+    def decide(self, snapshot: Snapshot) -> Decision:
+        out = super().decide(snapshot)
+        for b in snapshot.backends:
+            for s in b.sessions:
+                if s.reserved_tokens != self.charge:
+                    out.recharge[s.session_id] = self.charge
+        return out

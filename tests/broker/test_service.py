@@ -182,6 +182,38 @@ def test_a_running_session_its_worker_lost_is_requeued(redis_url, namespace, fle
         client.close()
 
 
+def test_recharges_reach_the_ledger_for_sessions_admitted_here_and_by_an_earlier_broker(
+        redis_url, namespace, fleet, redis_client):
+    """The broker plans a decision on copies of the ledgers it touches only; a recharged
+    session's ledger must be among them whether this broker admitted it (it remembers where)
+    or a broker before it did (it looks the session up)."""
+    from tests.broker.policies_for_tests import RechargingPolicy
+
+    fleet("b0", hold=True, heartbeat_s=0.1)
+    fleet("b1", hold=True, heartbeat_s=0.1)
+    client = RolloutClient(redis_url, namespace)
+    ledger = Ledger(redis_client, Keys(namespace))
+
+    def charges() -> set[int]:
+        return {t for b in ("b0", "b1") for t in ledger.read(b).sessions.values()}
+
+    try:
+        first = BrokerThread(redis_url, namespace, RechargingPolicy(20)).start()
+        # One that never fits keeps work pending, so the broker keeps deciding.
+        client.enqueue([make_session(i) for i in range(6)]
+                       + [make_session(0, max_tokens=5000, prefix="big")])
+        assert wait_until(lambda: sum(len(ledger.read(b).sessions) for b in ("b0", "b1")) == 6)
+        assert wait_until(lambda: charges() == {20})
+        first.stop()
+        second = BrokerThread(redis_url, namespace, RechargingPolicy(21)).start()
+        try:
+            assert wait_until(lambda: charges() == {21})
+        finally:
+            second.stop()
+    finally:
+        client.close()
+
+
 def test_a_heartbeat_missing_only_since_the_broker_started_watching_is_given_time(
         redis_url, namespace, redis_client):
     """After a Redis restart every heartbeat key may have expired during the outage: the
