@@ -578,14 +578,9 @@ class RqExecutor:
                                         call.model_dump()))
 
     async def aclose(self) -> None:
-        for task in (self._poller, self._listener):
+        for task in (self._poller, self._listener):  # (the reply list expires on its own)
             if task is not None:
                 task.cancel()
-        try:
-            self._redis.delete(self._replies)
-        except Exception as exc:  # it expires on its own
-            if not is_outage(exc):
-                raise
         self._redis.close()
         self._listen_redis.close()
 
