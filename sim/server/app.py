@@ -203,7 +203,7 @@ def _add_token_routes(app: FastAPI) -> None:
                                 req.continue_final_message, s.tokenizer).token_ids
         else:
             ids = s.tokenizer.encode(req.prompt)
-        strs = [s.tokenizer.piece(i) for i in ids] if req.return_token_strs else None
+        strs = s.tokenizer.pieces(ids) if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=s.max_model_len, tokens=ids,
                                 token_strs=strs)
 

@@ -72,7 +72,7 @@ def stop_string_scan(tok: SimTokenizer, stops: list[str]) -> StopScan | None:
         return None
 
     def scan(ids: list[int], min_tokens: int) -> tuple[int, int | str] | None:
-        pieces = [tok.piece(i) for i in ids]
+        pieces = tok.pieces(ids)
         ends = list(accumulate(len(p) for p in pieces))
         text = "".join(pieces)
         best: tuple[int, int | str] | None = None
@@ -204,7 +204,7 @@ def completion_logprobs(tok: SimTokenizer, r: EngineRequest, k: int, req: Sampli
     offsets (after the echoed prompt's, when echoing) and per position a dict of the sampled
     token and its k most likely alternatives."""
     ids, lps = r.output_token_ids, r.output_logprobs
-    pieces = [tok.piece(t) for t in ids]
+    pieces = tok.pieces(ids)
     names = [f"token_id:{t}" for t in ids] if req.return_tokens_as_token_ids else pieces
     if k:
         top = [{_token_str(tok, t, req): v for t, v in step} for step in _alternatives(tok, r, k)]

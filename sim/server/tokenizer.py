@@ -51,6 +51,16 @@ class SimTokenizer:
         self._piece_ids = {p: FIRST_WORD_ID + i for i, p in enumerate(self._pieces)}
         self._special_ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
         self.eos_token_id = self._special_ids["<|im_end|>"]
+        # Every id's piece, for bulk lookups (a reply with logprobs names each output token),
+        # with special tokens and with them skipped; ids past the word pieces fold onto them.
+        words = len(self._pieces)
+        folded = self._pieces * (-(-(vocab_size - FIRST_WORD_ID) // words))
+        table = [self.piece(i) for i in range(FIRST_WORD_ID)] + folded[:vocab_size - FIRST_WORD_ID]
+        skipped = list(table)
+        skipped[:NUM_SPECIAL_IDS] = [self.piece(i, True) for i in range(NUM_SPECIAL_IDS)]
+        self._tables = {False: table, True: skipped}
+        # Bytes that decode differently alone (U+FFFD) than in a multi-byte character.
+        self._high_byte_ids = frozenset(range(BYTE_OFFSET + 0x80, FIRST_WORD_ID))
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -67,8 +77,18 @@ class SimTokenizer:
                     ids.extend(BYTE_OFFSET + b for b in piece.encode("utf-8"))
         return ids
 
+    def pieces(self, ids: list[int], skip_special_tokens: bool = False) -> list[str]:
+        """`piece` of every id in `ids`."""
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
+            raise ValueError(f"tokens: token id {bad} is out of vocabulary")
+        return list(map(self._tables[bool(skip_special_tokens)].__getitem__, ids))
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Bytes are gathered and decoded together, so multi-byte characters survive."""
+        pieces = self.pieces(ids, skip_special_tokens)
+        if self._high_byte_ids.isdisjoint(ids):  # no byte that could join others
+            return "".join(pieces)
         out: list[str] = []
         pending = bytearray()
         for token_id in ids:

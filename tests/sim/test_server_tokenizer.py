@@ -43,3 +43,26 @@ def test_chat_template_is_chatml_and_prefix_stable() -> None:
     assert TOK.apply_chat_template(turn1, add_generation_prompt=False).endswith("<|im_end|>\n")
     assert TOK.apply_chat_template(turn2, add_generation_prompt=False,
                                    continue_final_message=True).endswith("more")
+
+
+SLOW = SimTokenizer(151_936)
+SLOW._high_byte_ids = frozenset(range(151_936))  # every sequence takes the id-by-id path
+
+
+@given(st.lists(st.one_of(st.integers(0, 300), st.integers(0, 151_935)), max_size=60),
+       st.booleans())
+def test_bulk_pieces_and_decode_agree_with_one_id_at_a_time(ids: list[int], skip: bool) -> None:
+    """`pieces` and the joined fast path of `decode` (no byte that could start or continue a
+    multi-byte character) give what the id-by-id path gives; ids below 300 are the special
+    tokens, the bytes and the first word pieces."""
+    assert TOK.pieces(ids, skip) == [TOK.piece(i, skip) for i in ids]
+    assert TOK.decode(ids, skip) == SLOW.decode(ids, skip)
+
+
+def test_an_id_outside_the_vocabulary_is_named() -> None:
+    import pytest
+    for ids in ([5, 151_936], [-1]):
+        with pytest.raises(ValueError, match=f"token id {ids[-1]} is out of vocabulary"):
+            TOK.pieces(ids)
+        with pytest.raises(ValueError, match="out of vocabulary"):
+            TOK.decode(ids)
