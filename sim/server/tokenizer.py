@@ -91,14 +91,14 @@ class SimTokenizer:
             return "".join(pieces)
         out: list[str] = []
         pending = bytearray()
-        for token_id in ids:
+        for token_id, piece in zip(ids, pieces):
             if BYTE_OFFSET <= token_id < FIRST_WORD_ID:
                 pending.append(token_id - BYTE_OFFSET)
                 continue
             if pending:
                 out.append(pending.decode("utf-8", errors="replace"))
                 pending.clear()
-            out.append(self.piece(token_id, skip_special_tokens))
+            out.append(piece)
         if pending:
             out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
