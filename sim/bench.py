@@ -29,6 +29,9 @@ from sim.workloads.source import make_source
 SWEPT = "cache_aware_swept"
 TRUE_LENGTHS = "misa_t-true-lengths"
 BASELINES = ("round_robin", "least_loaded", "power_of_two", "cache_aware", SWEPT)
+# A scenario is contended when its best router baseline preempts more than this per finished
+# session (docs/measurement.md).
+CONTENDED_PREEMPTIONS_PER_SESSION = 0.01
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,23 @@ def sweep_cache_aware(scenario_path: str, seed: int, sweep_iterations: int | Non
               for s, r in zip(specs, results)]
     best = max(points, key=lambda p: p["tokens_per_s"])  # ties: the first in grid order
     return best["params"], points
+
+
+def headroom(results: dict[str, FleetResult], bound: float) -> dict[str, Any] | None:
+    """What the fluid bound leaves above the scenario's best router baseline (None without
+    one): no policy's throughput exceeds the bound (a test holds the simulator to it), so
+    `bound_x_best` is the largest ×best any policy can reach there. `preemptions_per_session`
+    is the best baseline's (per finished session: above CONTENDED_PREEMPTIONS_PER_SESSION, the
+    scenario is contended)."""
+    base = {n: r.metrics for n, r in results.items() if n in BASELINES}
+    if not base:
+        return None
+    name = max(base, key=lambda n: base[n].tokens_per_s)
+    m = base[name]
+    finished = m.sessions_per_s * m.span_s
+    return {"best_baseline": name, "best_tokens_per_s": m.tokens_per_s,
+            "bound_x_best": bound / m.tokens_per_s if m.tokens_per_s > 0 else None,
+            "preemptions_per_session": m.preemptions / finished if finished else None}
 
 
 def result_json(result: FleetResult, params: dict[str, Any]) -> dict[str, Any]:

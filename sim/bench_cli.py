@@ -17,6 +17,7 @@ from sim.bench import (
     SWEPT,
     RunSpec,
     check_policies,
+    headroom,
     result_json,
     run_many,
     run_one,
@@ -90,6 +91,7 @@ def bench(scenario_path: str, policies: list[str], seed: int | None, json_out: s
         "seed": scenario.seed,
         "parameters": scenario.model_dump(mode="json"),
         "bound": asdict(bound),
+        "headroom": headroom(results, bound.tokens_per_s),
         "scenario_warnings": scenario_warnings(scenario, scenario_path),
         "policies": {n: result_json(results[n], params[n]) for n in policies},
     }
@@ -153,6 +155,10 @@ def print_table(console: Console, scenario: str, results: dict[str, FleetResult]
                       f"sequences per engine (limited by {bound.limited_by}), mean context "
                       f"{bound.mean_context:,.0f} tokens, {bound.prefill_per_output:.2f} prefill "
                       "tokens per output token (sim/bound.py)")
+        room = headroom(results, bound.tokens_per_s)
+        if room is not None and room["bound_x_best"] is not None:
+            console.print(f"no policy can exceed {room['bound_x_best']:.2f}× the best baseline "
+                          f"({room['best_baseline']}, {room['best_tokens_per_s']:,.0f} tok/s) here")
     if any_result is not None:
         console.print(f"drift floor at this batch size (independent draws of π): "
                       f"{any_result.metrics.drift.floor:.3f}")

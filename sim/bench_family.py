@@ -30,7 +30,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from broker.policies.cache_aware import cache_aware_grid
-from sim.bench import BASELINES, SWEPT, RunSpec, check_policies, result_json, run_one, sweep_seed, write_json
+from sim.bench import (
+    BASELINES,
+    CONTENDED_PREEMPTIONS_PER_SESSION,
+    SWEPT,
+    RunSpec,
+    check_policies,
+    headroom,
+    result_json,
+    run_one,
+    sweep_seed,
+    write_json,
+)
 from sim.bound import fluid_bound
 from sim.family import describe, load_family, sample_family
 from sim.fleet import FleetResult
@@ -126,6 +137,23 @@ def ratios(results: dict[str, FleetResult], bound: float) -> dict[str, dict[str,
     return out
 
 
+def summarize_headroom(rooms: Sequence[dict[str, Any] | None],
+                       contended_above: float = CONTENDED_PREEMPTIONS_PER_SESSION
+                       ) -> dict[str, Any] | None:
+    """The bound's ceiling on ×best over the family: its minimum and geometric mean (the highest
+    geometric mean any policy can reach), over every scenario and over the contended ones."""
+    known = [h for h in rooms if h is not None and h["bound_x_best"] is not None]
+    if not known:
+        return None
+    contended = [h["bound_x_best"] for h in known
+                 if (h["preemptions_per_session"] or 0.0) > contended_above]
+    xs = [h["bound_x_best"] for h in known]
+    return {"scenarios": len(xs), "min_bound_x_best": min(xs), "geomean_bound_x_best": geomean(xs),
+            "contended": len(contended), "contended_above": contended_above,
+            "contended_min_bound_x_best": min(contended, default=None),
+            "contended_geomean_bound_x_best": geomean(contended) if contended else None}
+
+
 def geomean(xs: Sequence[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
@@ -142,15 +170,17 @@ def bench_family(family_path: str, samples: int, seed: int, policies: list[str],
         warnings = [scenario_warnings(s, p) for s, p in zip(scenarios, paths)]
         results, params = run_scenarios(paths, policies, jobs, console)
     rows = [ratios(r, b.tokens_per_s) for r, b in zip(results, bounds)]
+    rooms = [headroom(r, b.tokens_per_s) for r, b in zip(results, bounds)]
     report = {
         "family": spec.name, "family_file": family_path, "samples": samples, "seed": seed,
         "scenarios": [{
             "name": s.name, "describe": describe(s), "parameters": s.model_dump(mode="json"),
-            "bound": asdict(b), "scenario_warnings": w, "ratios": row,
+            "bound": asdict(b), "headroom": room, "scenario_warnings": w, "ratios": row,
             "policies": {n: result_json(res[n], params_i[n]) for n in policies},
-        } for s, b, w, row, res, params_i in zip(scenarios, bounds, warnings, rows, results,
-                                                  params)],
+        } for s, b, room, w, row, res, params_i in zip(scenarios, bounds, rooms, warnings, rows,
+                                                        results, params)],
         "summary": summarize_family(rows, policies),
+        "headroom": summarize_headroom(rooms),
     }
     print_family(console, report, policies)
     if json_out:
@@ -207,7 +237,18 @@ def print_family(console: Console, report: dict[str, Any], policies: Sequence[st
                   _f(100 * m["mean_of_bound"] if m["mean_of_bound"] is not None else None, ".0f"))
     console.print(s)
     for sc in report["scenarios"]:
-        console.print(f"{sc['name']}: {sc['describe']}; bound {sc['bound']['tokens_per_s']:,.0f} tok/s")
+        room = sc["headroom"]
+        ceiling = f" ({_f(room['bound_x_best'])}× the best baseline)" if room else ""
+        console.print(f"{sc['name']}: {sc['describe']}; bound {sc['bound']['tokens_per_s']:,.0f} "
+                      f"tok/s{ceiling}")
+    h = report["headroom"]
+    if h:
+        console.print(
+            f"the fluid bound allows at most {_f(h['min_bound_x_best'])}× the best baseline on the "
+            f"tightest scenario and a geometric mean of {_f(h['geomean_bound_x_best'])}×; on the "
+            f"{h['contended']} contended scenarios (best baseline preempting more than "
+            f"{h['contended_above']:g} per finished session) at most "
+            f"{_f(h['contended_min_bound_x_best'])}× on the tightest")
 
 
 def plot_family(report: dict[str, Any], policies: Sequence[str], out_dir: str) -> list[Path]:

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from broker.cli import app
 from sim.family import FamilySpec, load_family, sample_family
-from sim.bench_family import parse_sweep, with_field
+from sim.bench_family import parse_sweep, summarize_headroom, with_field
 from sim.scenario import ScenarioError, load_scenario
 
 FAMILY = "scenarios/family.yaml"
@@ -84,6 +84,32 @@ def test_family_bench_reports_ratios_min_and_geomean(tmp_path):
     xs = [sc["ratios"]["misa_t"]["x_best"] for sc in report["scenarios"]]
     assert s["min_x_best"] == min(xs)
     assert s["geomean_x_best"] == pytest.approx((xs[0] * xs[1]) ** 0.5)
+    # The bound's ceiling on ×best: the inverse of the best baseline's share of the bound, and
+    # above what every policy reached.
+    ceilings = []
+    for sc in report["scenarios"]:
+        room = sc["headroom"]
+        best = room["best_baseline"]
+        assert sc["ratios"][best]["x_best"] == pytest.approx(1.0)
+        assert room["bound_x_best"] == pytest.approx(1 / sc["ratios"][best]["of_bound"])
+        assert all(sc["ratios"][n]["x_best"] < room["bound_x_best"] for n in sc["ratios"])
+        ceilings.append(room["bound_x_best"])
+    assert report["headroom"]["min_bound_x_best"] == min(ceilings)
+    assert report["headroom"]["geomean_bound_x_best"] == pytest.approx(
+        (ceilings[0] * ceilings[1]) ** 0.5)
+
+
+def test_the_headroom_summary_splits_out_the_contended_scenarios():
+    rooms = [{"bound_x_best": 1.1, "preemptions_per_session": 0.5},
+             {"bound_x_best": 4.0, "preemptions_per_session": 0.0},
+             {"bound_x_best": 1.6, "preemptions_per_session": 0.02},
+             None]
+    h = summarize_headroom(rooms, contended_above=0.01)
+    assert h["scenarios"] == 3 and h["min_bound_x_best"] == 1.1
+    assert h["geomean_bound_x_best"] == pytest.approx((1.1 * 4.0 * 1.6) ** (1 / 3))
+    assert h["contended"] == 2
+    assert h["contended_min_bound_x_best"] == 1.1
+    assert h["contended_geomean_bound_x_best"] == pytest.approx((1.1 * 1.6) ** 0.5)
 
 
 def test_bench_options_are_checked_before_anything_runs():

@@ -184,6 +184,11 @@ def test_bench_json_is_byte_identical_for_a_seed(tmp_path) -> None:
     assert out[0] == out[1]
     report = json.loads(out[0])
     assert report["seed"] == 3 and set(report["policies"]) == {"least_loaded", "cache_aware"}
+    # The headroom names the better of the two and divides the bound by its throughput.
+    tok = {n: p["metrics"]["tokens_per_s"] for n, p in report["policies"].items()}
+    room = report["headroom"]
+    assert room["best_baseline"] == max(tok, key=tok.get)
+    assert room["bound_x_best"] == pytest.approx(report["bound"]["tokens_per_s"] / max(tok.values()))
 
 
 def test_bench_cli_names_the_bad_field(tmp_path) -> None:
