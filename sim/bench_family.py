@@ -45,6 +45,7 @@ from sim.bench import (
 from sim.bound import fluid_bound
 from sim.family import describe, load_family, sample_family
 from sim.fleet import FleetResult
+from sim.metrics import start_up_speed
 from sim.scenario import Scenario, load_scenario, parse_scenario
 from sim.scenario_checks import scenario_warnings
 
@@ -119,12 +120,15 @@ def run_scenarios(paths: Sequence[str], policies: Sequence[str], jobs: int,
 
 
 def ratios(results: dict[str, FleetResult], bound: float) -> dict[str, dict[str, float | None]]:
-    """Per policy: throughput / the best router baseline's (whole run, steady state), and
-    throughput / the fluid bound."""
+    """Per policy: throughput / the best router baseline's (whole run, steady state, cold start:
+    each against the best baseline in that phase), throughput / the fluid bound, and how fast
+    it completed the trainer's first iterations against the quickest baseline
+    (`metrics.start_up_speed`)."""
     base = [r.metrics for n, r in results.items() if n in BASELINES]
     best = max((m.tokens_per_s for m in base), default=None)
     best_steady = max((m.steady.tokens_per_s for m in base if m.steady is not None),
                       default=None)
+    best_cold = max((m.cold.tokens_per_s for m in base if m.cold is not None), default=None)
     out = {}
     for name, r in results.items():
         m = r.metrics
@@ -132,6 +136,9 @@ def ratios(results: dict[str, FleetResult], bound: float) -> dict[str, dict[str,
             "x_best": m.tokens_per_s / best if best else None,
             "x_best_steady": (m.steady.tokens_per_s / best_steady
                               if m.steady is not None and best_steady else None),
+            "x_best_cold": (m.cold.tokens_per_s / best_cold
+                            if m.cold is not None and best_cold else None),
+            "start_up_speed": start_up_speed(m, base),
             "of_bound": m.tokens_per_s / bound,
         }
     return out
@@ -198,12 +205,18 @@ def summarize_family(rows: Sequence[dict[str, dict[str, float | None]]],
     for name in policies:
         whole = [r[name]["x_best"] for r in rows if r[name]["x_best"]]
         steady = [r[name]["x_best_steady"] for r in rows if r[name]["x_best_steady"]]
+        cold = [r[name]["x_best_cold"] for r in rows if r[name]["x_best_cold"]]
+        start = [r[name]["start_up_speed"] for r in rows if r[name]["start_up_speed"]]
         bound = [r[name]["of_bound"] for r in rows]
         out[name] = {
             "min_x_best": min(whole, default=None),
             "geomean_x_best": geomean(whole) if whole else None,
             "min_x_best_steady": min(steady, default=None),
             "geomean_x_best_steady": geomean(steady) if steady else None,
+            "min_x_best_cold": min(cold, default=None),
+            "geomean_x_best_cold": geomean(cold) if cold else None,
+            "min_start_up_speed": min(start, default=None),
+            "geomean_start_up_speed": geomean(start) if start else None,
             "wins": sum(1 for x in whole if x > 1.0),
             "scenarios": len(whole),
             "mean_of_bound": sum(bound) / len(bound) if bound else None,
@@ -226,14 +239,18 @@ def print_family(console: Console, report: dict[str, Any], policies: Sequence[st
                  for n in policies]
         t.add_row(sc["name"], *cells)
     console.print(t)
-    s = Table(title="over the family")
+    s = Table(title="over the family (start-up: the first iterations' speed against the "
+                    "quickest baseline)")
     for col in ("policy", "min ×best", "geomean ×best", "min ×best steady",
-                "geomean ×best steady", "wins", "mean % of bound"):
+                "geomean ×best steady", "min ×best cold", "geomean ×best cold", "min start-up",
+                "geomean start-up", "wins", "mean % of bound"):
         s.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "policy")
     for n in policies:
         m = report["summary"][n]
         s.add_row(n, _f(m["min_x_best"]), _f(m["geomean_x_best"]), _f(m["min_x_best_steady"]),
-                  _f(m["geomean_x_best_steady"]), f"{m['wins']}/{m['scenarios']}",
+                  _f(m["geomean_x_best_steady"]), _f(m["min_x_best_cold"]),
+                  _f(m["geomean_x_best_cold"]), _f(m["min_start_up_speed"]),
+                  _f(m["geomean_start_up_speed"]), f"{m['wins']}/{m['scenarios']}",
                   _f(100 * m["mean_of_bound"] if m["mean_of_bound"] is not None else None, ".0f"))
     console.print(s)
     for sc in report["scenarios"]:

@@ -148,6 +148,9 @@ class RunMetrics:
     drift: DriftReport
     warnings: tuple[str, ...] = ()
     weight_updates: WeightUpdateStats | None = None  # None: the scenario updates no weights
+    # When each iteration completed, seconds after the trainer's start: the trainer's progress
+    # (what `start_up_speed` compares between policies).
+    iteration_done_s: tuple[float, ...] = ()
 
 
 def throughput(sessions: Iterable[SessionRecord], start: float, end: float) -> tuple[float, float]:
@@ -260,6 +263,24 @@ def engine_preemptions(samples: Iterable[KvSample], at: float) -> int:
     return sum(n for _, n in last.values())
 
 
+def start_up_speed(policy: RunMetrics, baselines: Sequence[RunMetrics]) -> float | None:
+    """How fast `policy` completes the trainer's first iterations, against the quickest baseline:
+    (the quickest baseline's time to its k-th iteration) / (the policy's), k being the fewest
+    iterations any baseline completed in its cold start. Above 1: the policy got there sooner.
+
+    Tokens per second over each policy's own cold start compare windows of different lengths
+    (the cold start ends when that policy's first buffer has turned over); this compares the
+    same k iterations. None without a baseline, or when a run completed fewer than k."""
+    counts = [m.cold.iterations for m in baselines if m.cold is not None]
+    if not counts:
+        return None
+    k = max(1, min(counts))
+    times = [m.iteration_done_s[k - 1] for m in baselines if len(m.iteration_done_s) >= k]
+    if not times or len(policy.iteration_done_s) < k:
+        return None
+    return min(times) / policy.iteration_done_s[k - 1]
+
+
 def phase_metrics(sessions: Sequence[SessionRecord], iterations: Sequence[IterationRecord],
                   samples: Sequence[KvSample], target: Mapping[str, float],
                   start: float, end: float, first: bool) -> PhaseMetrics:
@@ -356,6 +377,7 @@ def summarize(
         steady_turnovers=turnovers,
         drift=report,
         warnings=tuple(warnings),
+        iteration_done_s=tuple(it.done_at - start for it in iterations),
     )
 
 

@@ -15,6 +15,7 @@ from sim.metrics import (
     mixture_drift,
     prefix_hit_rate,
     quotas,
+    start_up_speed,
     summarize,
     throughput,
 )
@@ -102,6 +103,34 @@ def test_cold_start_ends_when_each_workloads_first_fill_has_turned_over():
     # 3 returned after warm-up / 3 in the first fill = 1 turnover: too short, and it says so.
     assert m.steady_turnovers == 1.0
     assert any("short steady state" in w for w in m.warnings)
+
+
+def test_summarize_records_when_each_iteration_completed():
+    sessions = [rec("x", "a", enq=2, fin=4), rec("y", "a", enq=2, fin=9)]
+    m = summarize(sessions, [it(0, 2, 4, a=1), it(1, 4, 9, a=1)], [], [], {"a": 1.0}, 2.0, 9.0)
+    assert m.iteration_done_s == (2.0, 7.0)  # from the trainer's start at 2
+
+
+class _Cold:
+    def __init__(self, iterations):
+        self.iterations = iterations
+
+
+class _Metrics:  # the two fields start_up_speed reads
+    def __init__(self, cold_iterations, done):
+        self.cold = _Cold(cold_iterations)
+        self.iteration_done_s = done
+
+
+def test_start_up_speed_compares_the_same_first_iterations():
+    # Baselines finished 3 and 5 iterations in their cold starts: k = 3. The quickest baseline
+    # reached its 3rd iteration at 28 s, the policy at 21 s: 28 / 21.
+    a = _Metrics(3, (10.0, 20.0, 30.0, 40.0))
+    b = _Metrics(5, (5.0, 15.0, 28.0, 35.0, 50.0))
+    assert start_up_speed(_Metrics(2, (8.0, 14.0, 21.0, 60.0)), [a, b]) == pytest.approx(28 / 21)
+    assert start_up_speed(b, [a, b]) == 1.0  # the quickest baseline against itself
+    assert start_up_speed(_Metrics(1, (8.0, 14.0)), [a, b]) is None  # it never got to k
+    assert start_up_speed(a, []) is None
 
 
 def test_no_steady_state_is_said_not_hidden():
