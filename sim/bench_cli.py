@@ -156,7 +156,8 @@ def print_table(console: Console, scenario: str, results: dict[str, FleetResult]
     if bound is not None:
         console.print(f"fluid bound {bound.tokens_per_s:,.0f} tok/s: {bound.seqs_per_engine:.0f} "
                       f"sequences per engine (limited by {bound.limited_by}), mean context "
-                      f"{bound.mean_context:,.0f} tokens, {bound.prefill_per_output:.2f} prefill "
+                      f"{bound.mean_context:,.0f} tokens ({bound.mean_kv_context:,.0f} in KV "
+                      f"with shared prompt blocks held once), {bound.prefill_per_output:.2f} prefill "
                       "tokens per output token (sim/bound.py)")
         room = headroom(results, bound.tokens_per_s)
         if room is not None and room["bound_x_best"] is not None:

@@ -3,8 +3,10 @@
 No policy can beat it on the scenario's sessions and engines, because it grants every favour
 at once:
 - every engine decodes a full batch all the time: S sequences, as many as its KV holds at
-  the sessions' mean context (or `max_num_seqs`, or the trainer's in-flight bound shared over
-  the engines, whichever is fewer);
+  the sessions' mean context less the prompt blocks they share with other sessions (a shared
+  block is held once, as if every session sharing it ran on the same engine), or
+  `max_num_seqs`, or the trainer's in-flight bound shared over the engines, whichever is
+  fewer;
 - nothing is ever preempted or recomputed, and prefix reuse is perfect: the only tokens ever
   prefilled are the distinct prompt blocks of all sessions (a GRPO group's prompt once, a
   shared system prompt once) and the tool observations; a session's own earlier turns are
@@ -41,6 +43,7 @@ class FluidBound:
     seqs_per_engine: float  # S: the batch each engine decodes
     limited_by: str  # what caps S: 'kv', 'max_num_seqs' or 'inflight_bound'
     mean_context: float  # C̄, tokens
+    mean_kv_context: float  # the KV each sequence holds on average (C̄ less shared prompt blocks)
     prefill_per_output: float  # U/O: prefill tokens per output token
     sessions_sampled: int
 
@@ -64,24 +67,37 @@ def sample_sessions(scenario: Scenario, scenario_path: str | Path, n: int) -> li
     return out
 
 
-def _prompt_blocks(prompts: list[list[int]]) -> tuple[int, float]:
+def _prompt_blocks(prompts: list[list[int]]) -> tuple[int, float, list[int]]:
     """Distinct prompt tokens across all prompts, in whole blocks of shared prefix (a block is
-    the same when it and everything before it are), and their prefill (query, key) pairs."""
-    seen: set[int] = set()
-    tokens = 0
-    pairs = 0.0
+    the same when it and everything before it are), their prefill (query, key) pairs, and per
+    prompt the tokens of its blocks that another prompt shares."""
+    chains: list[list[tuple[int, int, int]]] = []  # per prompt: (block hash, start, length)
+    count: dict[int, int] = {}
     for prompt in prompts:
         h = 0
+        chain = []
         for start in range(0, len(prompt), BLOCK):
             block = tuple(prompt[start:start + BLOCK])
             h = hash((h, block))
+            chain.append((h, start, len(block)))
+            count[h] = count.get(h, 0) + 1
+        chains.append(chain)
+    seen: set[int] = set()
+    tokens = 0
+    pairs = 0.0
+    shared: list[int] = []
+    for chain in chains:
+        mine = 0
+        for h, start, n in chain:
+            if count[h] > 1:
+                mine += n
             if h in seen:
                 continue
             seen.add(h)
-            n = len(block)
             tokens += n
             pairs += n * (start + n / 2)
-    return tokens, pairs
+        shared.append(mine)
+    return tokens, pairs, shared
 
 
 def fluid_bound(scenario: Scenario, scenario_path: str | Path, samples: int = 2_000) -> FluidBound:
@@ -90,26 +106,31 @@ def fluid_bound(scenario: Scenario, scenario_path: str | Path, samples: int = 2_
         raise ValueError("bound: the scenario yields no sessions")
     profile = (get_profile(scenario.fleet.profile).with_kv_tokens(scenario.fleet.kv_tokens)
                .with_limits(scenario.fleet.max_num_seqs, scenario.fleet.max_num_batched_tokens))
+    prompt_tokens, prompt_pairs, shared = _prompt_blocks(
+        [list(s.session.prompt_token_ids or ()) for s in sessions])
     outputs = 0
     ctx_weight = 0.0  # Σ over output tokens of the context the step that made it read
+    kv_weight = 0.0  # the same without prompt blocks another session shares (held once)
     obs_tokens = 0
     obs_pairs = 0.0
-    for s in sessions:
+    for s, own_shared in zip(sessions, shared):
         history = len(s.session.prompt_token_ids or ())
         truth = s.truth
         for k, out in enumerate(truth.output_tokens):
             outputs += out
             ctx_weight += out * history + out * (out - 1) / 2
+            kv_weight += out * (history - own_shared) + out * (out - 1) / 2
             history += out
             if k < len(truth.observation_tokens):
                 ob = truth.observation_tokens[k]
                 obs_tokens += ob
                 obs_pairs += ob * (history + ob / 2)
                 history += ob
-    prompt_tokens, prompt_pairs = _prompt_blocks(
-        [list(s.session.prompt_token_ids or ()) for s in sessions])
     mean_ctx = ctx_weight / outputs
-    caps = {"kv": profile.kv_tokens / max(mean_ctx, 1.0),
+    # KV holds a shared prompt block once for every sequence that reads it: at best (all
+    # sharers on one engine) a sequence's KV is its context less its shared prompt blocks.
+    mean_kv = kv_weight / outputs
+    caps = {"kv": profile.kv_tokens / max(mean_kv, 1.0),
             "max_num_seqs": float(profile.max_num_seqs),
             "inflight_bound": scenario.trainer.inflight_bound / scenario.fleet.engines}
     limited_by = min(caps, key=caps.get)
@@ -120,6 +141,6 @@ def fluid_bound(scenario: Scenario, scenario_path: str | Path, samples: int = 2_
     tau = (p.t0 / seqs + p.t_seq + p.linear_time(batch) / batch + p.b * mean_ctx
            + (p.a * prefill_tokens + p.c * (prompt_pairs + obs_pairs)) / outputs)
     return FluidBound(tokens_per_s=scenario.fleet.engines / tau, seqs_per_engine=seqs,
-                      limited_by=limited_by, mean_context=mean_ctx,
+                      limited_by=limited_by, mean_context=mean_ctx, mean_kv_context=mean_kv,
                       prefill_per_output=prefill_tokens / outputs,
                       sessions_sampled=len(sessions))
