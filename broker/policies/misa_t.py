@@ -518,17 +518,25 @@ class MisaT(Policy):
         # rest follow it to that backend while its decode batch stays within the balance
         # slack, and spill to the next one (one more prefill of the shared prompt) beyond it.
         taken, charged = 0, 0.0
+        fed: dict[str, float] = {}  # per backend: KV tokens the group's placements allocate there
         for it, ch in zip(group, charges):
             target, hit = self._choose(placement, pool, ch, hits)
             if target is None:
                 break
-            self._place(it, target, ch, decision, key, hit)
+            self._place(it, target, ch, decision)
             placement.placed(target)
+            if key is not None:
+                b = target.view.backend_id
+                fed[b] = fed.get(b, 0.0) + max(0.0, ch - hit)
             if hits is not None:
                 # The target now holds the whole key, stamped newest; nothing else changed
                 # for it: what `self.prefix.matches(key)` would now say.
                 placement.key_placed(hits, target, key.tokens[-1])
             taken, charged = taken + 1, charged + ch
+        # Nothing reads the index until the group is placed: one insert per backend it went to
+        # leaves it as one per member would (the same churn, the same newest stamps).
+        for b, tokens in fed.items():
+            self.prefix.insert(key, b, tokens)
         return taken, charged, charges[0]
 
     def _key(self, item: PendingItem) -> PrefixKey:
@@ -558,10 +566,9 @@ class MisaT(Policy):
         target: BackendState,
         charge: float,
         decision: Decision,
-        key: PrefixKey | None = None,
-        hit: int = 0,
     ) -> None:
-        """Admit `item` to `target`; `hit` tokens of its prompt are probably cached there."""
+        """Admit `item` to `target` (`_admit_next` records in the prefix index where it placed
+        each group)."""
         b = target.view.backend_id
         target.reserved += charge
         target.running += 1
@@ -570,8 +577,6 @@ class MisaT(Policy):
         if item.turn == 0:  # each session's prompt counts once, when it is placed
             self.models[item.workload].note_prompt(item.prompt_tokens)
         self._tracks[item.session_id] = _Track()
-        if key is not None:
-            self.prefix.insert(key, b, charge - hit)
 
 
 def _variant(name: str, **settings: Any) -> Callable[..., MisaT]:

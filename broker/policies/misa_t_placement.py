@@ -49,8 +49,9 @@ class BackendState:
 class Pool:
     """The backends one workload may place on in this call (all but those held for others)."""
 
-    members: list[BackendState]
-    mask: np.ndarray | None = None  # the same set over the fleet's order (array evaluation)
+    members: list[BackendState]  # shared with the Placement when nothing is excluded: read only
+    # The same set over the fleet's order (array evaluation); None: every backend.
+    mask: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -88,7 +89,10 @@ class Placement:
             self._fits, self._near, self._candidate = (np.empty(n, dtype=bool) for _ in range(3))
 
     def pool(self, excluded: Sequence[BackendState] = ()) -> Pool:
-        members = [b for b in self.backends if all(b is not o for o in excluded)]
+        if not excluded:  # the whole fleet (the common case): no copy, no mask
+            return Pool(self.backends)
+        gone = {id(o) for o in excluded}
+        members = [b for b in self.backends if id(b) not in gone]
         if not self._arrays:
             return Pool(members)
         mask = np.ones(len(self.backends), dtype=bool)
@@ -167,7 +171,8 @@ class Placement:
         # one to three microseconds at a few hundred backends, more than the arithmetic).
         room, util, running = self._room, self._util, self._running
         fits = np.greater_equal(room, charge, out=self._fits)
-        fits &= pool.mask
+        if pool.mask is not None:
+            fits &= pool.mask
         fitting = util[fits]
         if not fitting.size:
             return None, 0

@@ -616,6 +616,36 @@ def test_a_backend_whose_cache_size_changes_is_accounted_again_with_the_same_ses
         assert policy._max_len == max_len
 
 
+def test_one_insert_of_a_groups_tokens_leaves_the_index_as_one_per_member() -> None:
+    """What MisaT relies on to record a group once per backend it went to (`_admit_next`):
+    inserting a key n times with t_1..t_n tokens, interleaved with its other backends' inserts,
+    leaves every key's matches and every backend's churn as inserting it once with Σ t_i."""
+    import random
+    rng = random.Random(11)
+    keys = [prefix_key(tuple(rng.randrange(1000) for _ in range(rng.randrange(16, 600))))
+            for _ in range(30)]
+    for _ in range(200):
+        per_member, batched = PrefixIndex(), PrefixIndex()
+        for index in (per_member, batched):
+            for b in "abc":
+                index.sync_backend(b, 5_000)
+        for _ in range(rng.randrange(1, 6)):  # earlier groups, placed the same on both
+            k, b, t = rng.choice(keys), rng.choice("abc"), rng.choice((50.0, 800.0, 3_000.0))
+            per_member.insert(k, b, t)
+            batched.insert(k, b, t)
+        key = rng.choice(keys)
+        members = [(rng.choice("abc"), rng.choice((0.0, 200.0, 1_500.0))) for _ in range(8)]
+        fed: dict[str, float] = {}
+        for b, t in members:
+            per_member.insert(key, b, t)
+            fed[b] = fed.get(b, 0.0) + t
+        for b, t in fed.items():
+            batched.insert(key, b, t)
+        assert all(per_member.matches(k) == batched.matches(k) for k in keys)
+        assert {b: c.churn for b, c in per_member._caches.items()} == \
+            {b: c.churn for b, c in batched._caches.items()}
+
+
 def test_placing_a_key_changes_its_matches_only_on_that_backend_to_the_whole_key() -> None:
     """What MisaT relies on to place a group's members without a new prefix lookup each
     (misa_t_placement.Placement.key_placed): after insert(key, b), matches(key) is what it was,
