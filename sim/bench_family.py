@@ -329,7 +329,7 @@ def bench_sweep(scenario_path: str, sweep: str, policies: list[str], json_out: s
         results, params = run_scenarios(paths, policies, jobs, console)
     report = {
         "scenario": base.name, "scenario_file": scenario_path, "key": key, "values": values,
-        "points": [{"value": v, "bound": asdict(b),
+        "points": [{"value": v, "bound": asdict(b), "headroom": headroom(r, b.tokens_per_s),
                     "ratios": ratios(r, b.tokens_per_s),
                     "policies": {n: result_json(r[n], p[n]) for n in policies}}
                    for v, b, r, p in zip(values, bounds, results, params)],
@@ -339,13 +339,16 @@ def bench_sweep(scenario_path: str, sweep: str, policies: list[str], json_out: s
     for n in policies:
         t.add_column(n, justify="right")
     t.add_column("bound", justify="right")
+    t.add_column("bound ÷ best baseline", justify="right")
     for pt in report["points"]:
         cells = []
         for n in policies:
             m = pt["policies"][n]["metrics"]
             st = m["steady"]["tokens_per_s"] if m.get("steady") else None
             cells.append(f"{m['tokens_per_s']:,.0f} ({_f(st, ',.0f')})")
-        t.add_row(str(pt["value"]), *cells, f"{pt['bound']['tokens_per_s']:,.0f}")
+        room = pt["headroom"]
+        t.add_row(str(pt["value"]), *cells, f"{pt['bound']['tokens_per_s']:,.0f}",
+                  _f(room["bound_x_best"] if room else None))
     console.print(t)
     if json_out:
         write_json(json_out, report)

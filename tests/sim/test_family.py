@@ -116,6 +116,24 @@ def test_the_headroom_summary_splits_out_the_contended_scenarios():
     assert h["contended_geomean_bound_x_best"] == pytest.approx((1.1 * 1.6) ** 0.5)
 
 
+def test_a_sweep_reports_each_points_bound_and_headroom(tmp_path):
+    out = tmp_path / "sweep.json"
+    res = CliRunner().invoke(app, ["bench", "--scenario", str(Path(FAMILY).resolve().parent / "quick.yaml"),
+                                   "--sweep", "trainer.inflight_bound=32,64",
+                                   "--policies", "least_loaded,cache_aware,misa_t",
+                                   "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    points = json.loads(out.read_text())["points"]
+    assert [p["value"] for p in points] == [32, 64]
+    for p in points:
+        tok = {n: p["policies"][n]["metrics"]["tokens_per_s"] for n in ("least_loaded", "cache_aware")}
+        assert p["headroom"]["best_baseline"] == max(tok, key=tok.get)
+        assert p["headroom"]["bound_x_best"] == pytest.approx(
+            p["bound"]["tokens_per_s"] / max(tok.values()))
+        assert all(p["policies"][n]["metrics"]["tokens_per_s"] < p["bound"]["tokens_per_s"]
+                   for n in p["policies"])
+
+
 def test_bench_options_are_checked_before_anything_runs():
     runner = CliRunner()
     res = runner.invoke(app, ["bench", "--policies", "misa_t"])
