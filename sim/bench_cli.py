@@ -86,20 +86,21 @@ def bench(scenario_path: str, policies: list[str], seed: int | None, json_out: s
             for name, res in zip(policies, run_many(scenario_path, seed, specs, jobs, done)):
                 results[name] = res
 
+    room = headroom(results, bound.tokens_per_s)
     report = {
         "scenario": scenario.name,
         "scenario_file": str(scenario_path),
         "seed": scenario.seed,
         "parameters": scenario.model_dump(mode="json"),
         "bound": asdict(bound),
-        "headroom": headroom(results, bound.tokens_per_s),
+        "headroom": room,
         "scenario_warnings": scenario_warnings(scenario, scenario_path),
         "policies": {n: result_json(results[n], params[n]) for n in policies},
     }
     if sweep_points:
         report["cache_aware_sweep"] = {"seed": tune_seed, "iterations": sweep_iterations,
                                        "points": sweep_points}
-    print_table(console, scenario.name, results, params, walls, bound)
+    print_table(console, scenario.name, results, params, walls, bound, room)
     if json_out:
         write_json(json_out, report)
         console.print(f"wrote {json_out}")
@@ -117,9 +118,10 @@ def _f(x: float | None, fmt: str) -> str:
 
 def print_table(console: Console, scenario: str, results: dict[str, FleetResult],
                 params: dict[str, dict[str, Any]], walls: dict[str, float],
-                bound: FluidBound | None = None) -> None:
+                bound: FluidBound | None = None, room: dict[str, Any] | None = None) -> None:
     """Whole run, cold start and steady state apart; ratios to the best router baseline of
-    the same run (overall and steady), and to the fluid bound."""
+    the same run (overall and steady), and to the fluid bound. `room`: the bound's headroom
+    (`sim.bench.headroom`), printed under the bound."""
     base = [results[n].metrics for n in results if n in BASELINES]
     best = max((m.tokens_per_s for m in base), default=None)
     best_steady = max((m.steady.tokens_per_s for m in base if m.steady is not None), default=None)
@@ -159,7 +161,6 @@ def print_table(console: Console, scenario: str, results: dict[str, FleetResult]
                       f"{bound.mean_context:,.0f} tokens ({bound.mean_kv_context:,.0f} in KV "
                       f"with shared prompt blocks held once), {bound.prefill_per_output:.2f} prefill "
                       "tokens per output token (sim/bound.py)")
-        room = headroom(results, bound.tokens_per_s)
         if room is not None and room["bound_x_best"] is not None:
             console.print(f"no policy can exceed {room['bound_x_best']:.2f}× the best baseline "
                           f"({room['best_baseline']}, {room['best_tokens_per_s']:,.0f} tok/s) here")
