@@ -118,15 +118,19 @@ class _Track:
 
 @dataclass(slots=True)
 class _Booked:
-    """One backend's accounting in the last decide(): reused while nothing moved there (the
-    broker's ViewCache hands back the very same sessions tuple for an unchanged backend)."""
+    """One backend's accounting, kept across decide() calls and redone only where something
+    moved (the broker's ViewCache and the simulator hand back the very same sessions tuple for
+    an unchanged backend), so a call costs little per backend where nothing happened."""
 
     sessions: tuple[ResidentSession, ...] | None  # None after a re-charge: the next view differs
     capacity_tokens: int
     max_model_len: int
-    by_workload: dict[str, float]  # charge per workload
+    by_workload: dict[str, float]  # charge per workload (whole tokens: sums stay exact)
     reserved: float
     in_flight: int
+    # The backend's working state in a call, set from the sums above at the start of each call
+    # (only where anything moved or the last call placed on it: `Placement.sync`).
+    state: BackendState
 
 
 @register
@@ -143,6 +147,9 @@ class MisaT(Policy):
         self._calm_since: dict[str, float] = {}
         self._usage_ratio: dict[str, float | None] = {}  # ρ_b: KV in use per token charged
         self._booked: dict[str, _Booked] = {}  # per backend: its accounting at the last call
+        self._used: dict[str, float] = {}  # Σ over the booked backends of their by_workload
+        self._placement: Placement | None = None  # over the last call's healthy backends
+        self._limit_total = 0.0  # within one decide(): Σ α_b·C_b over the healthy backends
         self._running = 0  # within one decide(): running sessions over the healthy backends
         self._healthy = 1  # ... and how many healthy backends there are
         self._max_len = 1 << 30  # smallest max_model_len seen: no context exceeds it
@@ -171,11 +178,9 @@ class MisaT(Policy):
         decision = Decision()
         for c in snapshot.new_completions:
             self._learn(c)
-        backends, used = self._account(snapshot, decision)
-        self._running = sum(b.running for b in backends)
-        self._healthy = max(1, len(backends))
-        if backends:
-            self._admit(snapshot, backends, used, decision)
+        placement, used = self._account(snapshot, decision)
+        if placement.backends:
+            self._admit(snapshot, placement, used, decision)
         return decision
 
     def _model(self, workload: str, max_tokens: int, max_turns: int) -> WorkloadModel:
@@ -193,51 +198,82 @@ class MisaT(Policy):
         model.observe(c, track.peak_context if track is not None else 0)
 
     # -- accounting and α ----------------------------------------------------------------
-    def _account(
-        self, snapshot: Snapshot, decision: Decision
-    ) -> tuple[list[BackendState], dict[str, float]]:
-        """Re-charge, adapt α; return the healthy backends and the KV charged per workload."""
-        used: dict[str, float] = {}
+    def _account(self, snapshot: Snapshot, decision: Decision) -> tuple[Placement, dict[str, float]]:
+        """Re-charge, adapt α; return the placement over the healthy backends (in fleet order)
+        and the KV charged per workload."""
         work_pending = any(snapshot.pending.values())
-        present = set()
         out: list[BackendState] = []
+        moved: list[BackendState] = []  # states whose values changed since the last call
+        running = 0
+        limit_total = 0.0
         for view in snapshot.backends:
             b = view.backend_id
-            present.add(b)
-            hb = view.telemetry
-            last = self._last_hb.get(b)
-            fresh = hb is not None and (last is None or hb.at > last.at)
             booked = self._booked.get(b)
+            if booked is not None and booked.state.view is view and booked.sessions is view.sessions:
+                # The very view of the last call (so no fresh heartbeat) with its sums kept.
+                fresh = False
+            else:
+                hb = view.telemetry
+                last = self._last_hb.get(b)
+                fresh = hb is not None and (last is None or hb.at > last.at)
             if (not fresh and booked is not None and booked.sessions is view.sessions
                     and booked.capacity_tokens == view.capacity_tokens
                     and booked.max_model_len == view.max_model_len):
                 # Nothing moved here since the last call: the same sums, α and prefix horizon.
-                for w, charge in booked.by_workload.items():
-                    used[w] = used.get(w, 0.0) + charge
                 alpha = self.alpha[b]
+                state = booked.state
+                state.view = view
+                if state.reserved != booked.reserved or state.running != booked.in_flight:
+                    state.reserved, state.running = booked.reserved, booked.in_flight  # placed on
+                    moved.append(state)
             else:
                 self.prefix.sync_backend(b, view.capacity_tokens)
                 self._max_len = min(self._max_len, view.max_model_len)
-                booked = self._charge_residents(view, snapshot.now, fresh, used, decision)
+                booked = self._charge_residents(view, snapshot.now, fresh, decision)
                 alpha = self._adapt_alpha(view, fresh, work_pending, booked.reserved,
                                           snapshot.now)
+                state = booked.state
+                state.limit = alpha * view.capacity_tokens
+                moved.append(state)
             if abs(view.alpha - alpha) > 1e-9:
                 decision.alpha[b] = alpha
             if view.healthy:
-                out.append(BackendState(view, alpha * view.capacity_tokens, booked.reserved,
-                                        booked.in_flight))
-        for b in self.prefix.backends():
-            if b not in present:
+                out.append(state)
+                running += state.running
+                limit_total += state.limit
+        if len(self._booked) > len(snapshot.backends):  # some backend left the fleet
+            present = {view.backend_id for view in snapshot.backends}
+            for b in [b for b in self._booked if b not in present]:
+                self._book(b, None)
                 self.prefix.drop_backend(b)
                 self._last_hb.pop(b, None)
                 self._usage_ratio.pop(b, None)
-                self._booked.pop(b, None)
-        return out, used
+        self._running = running
+        self._healthy = max(1, len(out))
+        self._limit_total = limit_total
+        placement = self._placement
+        if placement is None or placement.backends != out:
+            placement = self._placement = Placement(out, self.config.locality_slack)
+        else:
+            placement.sync(moved)
+        return placement, dict(self._used)
+
+    def _book(self, backend_id: str, booked: _Booked | None) -> None:
+        """Make `booked` the backend's accounting (None: forget it), keeping `_used` its sum."""
+        used = self._used
+        old = self._booked.pop(backend_id, None)
+        if old is not None:
+            for w, charge in old.by_workload.items():
+                used[w] -= charge
+        if booked is not None:
+            self._booked[backend_id] = booked
+            for w, charge in booked.by_workload.items():
+                used[w] = used.get(w, 0.0) + charge
 
     def _charge_residents(self, view: BackendView, now: float, fresh: bool,
-                          used: dict[str, float], decision: Decision) -> _Booked:
+                          decision: Decision) -> _Booked:
         """Each resident session's charge (re-charged on a fresh heartbeat when residency
-        accounting is on), summed into `used` per workload; returns the backend's booking."""
+        accounting is on), summed per workload; returns (and keeps) the backend's booking."""
         recharge = fresh and self.config.residency_accounting
         booked = self._booked.get(view.backend_id)
         if not recharge and booked is not None and booked.sessions is view.sessions:
@@ -248,13 +284,14 @@ class MisaT(Policy):
                 charge = self._recharge(s, view, now, decision) if recharge else s.reserved_tokens
                 by_workload[s.workload] = by_workload.get(s.workload, 0.0) + charge
         reserved = 0.0
-        for w, charge in by_workload.items():
+        for charge in by_workload.values():
             reserved += charge
-            used[w] = used.get(w, 0.0) + charge
+        state = BackendState(view, 0.0, reserved, view.in_flight) if booked is None else booked.state
+        state.view, state.reserved, state.running = view, reserved, view.in_flight
         # After a re-charge the next view carries the new charges: nothing to reuse then.
         booked = _Booked(None if recharge else view.sessions, view.capacity_tokens,
-                         view.max_model_len, by_workload, reserved, view.in_flight)
-        self._booked[view.backend_id] = booked
+                         view.max_model_len, by_workload, reserved, view.in_flight, state)
+        self._book(view.backend_id, booked)
         return booked
 
     def _adapt_alpha(self, view: BackendView, fresh: bool, work_pending: bool,
@@ -396,21 +433,25 @@ class MisaT(Policy):
     def _admit(
         self,
         snapshot: Snapshot,
-        backends: list[BackendState],
+        placement: Placement,
         used: dict[str, float],
         decision: Decision,
     ) -> None:
         cfg = self.config
         fresh: dict[str, Sequence[PendingItem]] = {}
-        by_id = {b.view.backend_id: b for b in backends}
+        by_id: dict[str, BackendState] | None = None
         for w, items in snapshot.pending.items():
-            if any(item.turn for item in items):
+            if any([item.turn for item in items]):  # (a list: twice as fast as a generator)
                 # Follow-up turns (router mode) go home first, whatever the limits say: their
                 # history is cached there.
+                if by_id is None:
+                    by_id = {b.view.backend_id: b for b in placement.backends}
                 for item in items:
                     if item.turn and item.home_backend in by_id:
                         charge = self._charge(item)
-                        self._place(item, by_id[item.home_backend], charge, decision)
+                        home = by_id[item.home_backend]
+                        self._place(item, home, charge, decision)
+                        placement.placed(home)
                         used[w] = used.get(w, 0.0) + charge
                 items = tuple(item for item in items if not item.turn)
             if items:
@@ -419,7 +460,7 @@ class MisaT(Policy):
             return
         quota: dict[str, float] = {}
         if cfg.workload_allocation:
-            total = sum(b.limit for b in backends)
+            total = self._limit_total
             sigma = shares(
                 snapshot.mixture_target,
                 self._kv_seconds(fresh, snapshot.mixture_target),
@@ -431,7 +472,6 @@ class MisaT(Policy):
         cursor = dict.fromkeys(fresh, 0)
         live = set(fresh)
         held: dict[str, BackendState] = {}  # workload -> the backend kept for its blocked oldest
-        placement = Placement(backends, cfg.locality_slack)
         pools: dict[str, Pool] = {}  # per workload: backends not held for another
         while live:
             if cfg.workload_allocation:
@@ -504,13 +544,15 @@ class MisaT(Policy):
         """Admit the item at `start` (with the rest of its GRPO group): (how many, KV charged,
         the charge of the item at `start`)."""
         head = items[start]
+        need = self._charge(head)
+        if not placement.fits(pool, need):
+            return 0, 0.0, need  # (the usual end of a workload's turn in a call: no lookups)
         group = [head]
         if head.group_id is not None and head.group_size > 1:
             for it in items[start + 1 : start + head.group_size]:
                 if it.group_id != head.group_id or it.turn > 0:
                     break
                 group.append(it)
-        charges = [self._charge(it) for it in group]
         key = self._key(head) if self.config.prefix_placement else None
         hits = (placement.hits(self.prefix.matches(key))
                 if key is not None and key.hashes else None)
@@ -519,7 +561,8 @@ class MisaT(Policy):
         # slack, and spill to the next one (one more prefill of the shared prompt) beyond it.
         taken, charged = 0, 0.0
         fed: dict[str, float] = {}  # per backend: KV tokens the group's placements allocate there
-        for it, ch in zip(group, charges):
+        for it in group:
+            ch = need if it is head else self._charge(it)
             target, hit = self._choose(placement, pool, ch, hits)
             if target is None:
                 break
@@ -537,7 +580,7 @@ class MisaT(Policy):
         # leaves it as one per member would (the same churn, the same newest stamps).
         for b, tokens in fed.items():
             self.prefix.insert(key, b, tokens)
-        return taken, charged, charges[0]
+        return taken, charged, need
 
     def _key(self, item: PendingItem) -> PrefixKey:
         cache_id = item.group_id if item.group_id is not None else item.session_id

@@ -78,12 +78,12 @@ class Placement:
         if use_arrays:
             self._index = {b.view.backend_id: i for i, b in enumerate(self.backends)}
             self._position = {id(b): i for i, b in enumerate(self.backends)}
-            self._limit = np.array([b.limit for b in self.backends], dtype=np.float64)
+            limit = np.array([b.limit for b in self.backends], dtype=np.float64)
             self._reserved = np.array([b.reserved for b in self.backends], dtype=np.float64)
             self._capacity = np.array([b.view.capacity_tokens for b in self.backends],
                                       dtype=np.float64)
             self._util = self._reserved / self._capacity
-            self._room = self._limit - self._reserved
+            self._room = limit - self._reserved
             self._running = np.array([b.running for b in self.backends], dtype=np.int64)
             n = len(self.backends)  # scratch masks, reused by every choice of the call
             self._fits, self._near, self._candidate = (np.empty(n, dtype=bool) for _ in range(3))
@@ -109,6 +109,17 @@ class Placement:
             self._room[i] = b.limit - b.reserved
             self._running[i] = b.running
 
+    def sync(self, moved: Sequence[BackendState]) -> None:
+        """Take in the current values of `moved` (any of a backend's limit, reservation, running
+        count or cache size), so that the placement stays in use over the same backends across
+        decide() calls; states it does not hold are ignored."""
+        if self._arrays:
+            for b in moved:
+                i = self._position.get(id(b))
+                if i is not None:
+                    self._capacity[i] = b.view.capacity_tokens
+                    self.placed(b)  # (the room from the new limit)
+
     def hits(self, matched: Mapping[str, int]) -> Hits:
         """`matched` (backend id -> cached tokens of one prefix) in the form `choose` reads."""
         hits = Hits(dict(matched))
@@ -125,6 +136,15 @@ class Placement:
         hits.by_id[b.view.backend_id] = tokens
         if hits.array is not None:
             hits.array[self._position[id(b)]] = tokens
+
+    def fits(self, pool: Pool, charge: float) -> bool:
+        """Whether some backend of `pool` has room for `charge` tokens (else `choose` finds none)."""
+        if self._arrays:
+            fits = np.greater_equal(self._room, charge, out=self._fits)
+            if pool.mask is not None:
+                fits &= pool.mask
+            return bool(fits.any())
+        return any(b.limit - b.reserved >= charge for b in pool.members)
 
     def choose(self, pool: Pool, charge: float, hits: Hits | None,
                run_slack: float) -> tuple[BackendState | None, int]:

@@ -602,6 +602,107 @@ def test_sums_kept_for_an_unchanged_backend_give_the_decisions_of_summing_again(
             residents[adm.backend_id] = list(tuples[adm.backend_id])
 
 
+@pytest.mark.parametrize("n", [4, 140])  # 140: the placement's array evaluation
+def test_accounting_kept_across_calls_decides_as_accounting_every_backend_again(n) -> None:
+    """MisaT keeps each backend's sums, its working state and the placement across calls and
+    redoes only what moved. Fed what the broker's ViewCache hands back (the very same view
+    while a backend is unchanged) through re-charges, refused admissions, heartbeats, new cache
+    sizes, health changes and backends leaving and coming back, it must decide as a policy fed
+    fresh copies of everything (which accounts every backend again on every call, over a new
+    placement), and its per-workload total must be what the ledger charges."""
+    import random
+    rng = random.Random(n)
+    kept, again = MisaT(), MisaT()
+    ids = [f"b{i}" for i in range(n)]
+    residents: dict[str, tuple[ResidentSession, ...]] = dict.fromkeys(ids, ())
+    beats: dict[str, Telemetry] = {}
+    caps, healthy, present = dict.fromkeys(ids, 20_000), dict.fromkeys(ids, True), set(ids)
+    views: dict[str, BackendView] = {}
+    mix = {"rlhf": 0.5, "rlvr": 0.5}
+    k = 0
+    for step in range(150):
+        now = float(step)
+        changed = set(rng.sample(ids, 2))
+        for b in changed:
+            if residents[b] and rng.random() < 0.4:
+                gone = rng.randrange(len(residents[b]))
+                residents[b] = residents[b][:gone] + residents[b][gone + 1:]
+            else:
+                residents[b] += (resident(f"r{k}", reserved=rng.randint(500, 5000),
+                                          workload=rng.choice(("rlhf", "rlvr"))),)
+                k += 1
+        if step % 3 == 0:
+            b = rng.choice(ids)
+            beats[b] = hb(now, usage=rng.uniform(0.2, 0.9))
+            changed.add(b)
+        if step % 17 == 5:  # an engine restarts with another cache size
+            b = rng.choice(ids)
+            caps[b] = rng.choice((16_000, 20_000, 24_000))
+            changed.add(b)
+        if step % 11 == 3:
+            b = rng.choice(ids)
+            healthy[b] = not healthy[b]
+            changed.add(b)
+        if step % 13 == 7:  # a backend leaves (its sessions requeued) or comes back empty
+            b = rng.choice(ids)
+            present ^= {b}
+            residents[b] = ()
+            changed.add(b)
+        for b in ids:
+            if b in changed or b not in views:
+                views[b] = BackendView(backend_id=b, capacity_tokens=caps[b],
+                                       max_model_len=caps[b], healthy=healthy[b], alpha=1.0,
+                                       telemetry=beats.get(b), sessions=residents[b])
+        shown = [views[b] for b in ids if b in present]
+        copies = [dataclasses.replace(v, sessions=tuple(list(v.sessions))) for v in shown]
+        items = []
+        for i in range(rng.randint(0, 3)):  # GRPO pairs on a few shared prompts
+            w, p = rng.choice(("rlhf", "rlvr")), rng.randrange(6)
+            prompt = tuple(range(p * 1000, p * 1000 + 300))
+            items += [pending(f"p{step}-{i}-{m}", workload=w, group=f"g{step}-{i}", size=2,
+                              prompt=300, prefix=prompt, at=now) for m in range(2)]
+        # A follow-up turn (router mode) goes home, whatever the limits; here to the emptiest
+        # backend, where a new group would go but for it.
+        home = min((v for v in shown if v.healthy), key=lambda v: v.reserved_tokens, default=None)
+        if home is not None and rng.random() < 0.3:
+            items.append(pending(f"f{step}", workload=rng.choice(("rlhf", "rlvr")), turn=1,
+                                 home=home.backend_id, max_turns=3, prompt=4000, at=now))
+        a = kept.decide(snap(shown, items, now=now, target=mix))
+        again._placement = None  # (a placement built afresh too)
+        assert a == again.decide(snap(copies, items, now=now, target=mix)), f"step {step}"
+        charged: dict[str, float] = {}
+        for v in shown:
+            for r in v.sessions:
+                charged[r.workload] = charged.get(r.workload, 0) + a.recharge.get(
+                    r.session_id, r.reserved_tokens)
+        assert {w: u for w, u in kept._used.items() if u} == charged, f"step {step}"
+        for adm in a.admissions:  # the broker adds them to the ledger: a new view there ...
+            if rng.random() < 0.2:
+                continue  # ... unless the ledger refused it (the same view comes back)
+            residents[adm.backend_id] += (resident(adm.session_id, reserved=adm.reserved_tokens),)
+            views.pop(adm.backend_id, None)
+        if a.recharge and rng.random() < 0.5:  # (else the broker has not applied them yet)
+            for b in ids:
+                if any(r.session_id in a.recharge for r in residents[b]):
+                    residents[b] = tuple(dataclasses.replace(
+                        r, reserved_tokens=a.recharge.get(r.session_id, r.reserved_tokens))
+                        for r in residents[b])
+                    views.pop(b, None)
+
+
+@pytest.mark.parametrize("n", [4, 140])
+def test_a_follow_up_turn_placed_at_home_counts_in_the_same_calls_choices(n) -> None:
+    """A follow-up turn goes home first; a new session of the same call must see that backend's
+    reservation grown (at 140 backends, in the placement's arrays too): of equal empty backends
+    it takes the next one, not the home."""
+    policy = MisaT()
+    views = [view(f"b{i}") for i in range(n)]
+    items = [pending("turn", turn=1, home="b0", max_turns=3, prompt=4000),
+             pending("new", prompt=100, prefix=tuple(range(50_000, 50_100)), at=1.0)]
+    d = policy.decide(snap(views, items))
+    assert [(a.session_id, a.backend_id) for a in d.admissions] == [("turn", "b0"), ("new", "b1")]
+
+
 def test_a_backend_whose_cache_size_changes_is_accounted_again_with_the_same_sessions() -> None:
     """An engine restarted with another KV size may come back with the very same sessions
     tuple; the prefix index's horizon and the context limit must follow its new size."""

@@ -49,6 +49,7 @@ def test_loops_and_arrays_choose_the_same_backend_through_a_call(seed):
         a, hit_a = loops.choose(pool_l, charge, hits_l, run_slack)
         b, hit_b = arrays.choose(pool_a, charge, hits_a, run_slack)
         assert (a.view.backend_id if a else None, hit_a) == (b.view.backend_id if b else None, hit_b)
+        assert loops.fits(pool_l, charge) is arrays.fits(pool_a, charge) is (a is not None)
         if a is None:
             continue
         chosen += 1
@@ -68,3 +69,38 @@ def test_loops_and_arrays_choose_the_same_backend_through_a_call(seed):
                 if hits is not None and cached:  # (its prompt shares the group's prefix)
                     placement.key_placed(hits, states[i], 8192)
     assert chosen > 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_placement_kept_across_calls_and_synced_chooses_as_a_new_one(seed):
+    """MisaT keeps its Placement while the fleet is the same backends and hands it the states
+    that moved since the last call (`sync`): a new α (limit), a new cache size, reservations and
+    running counts set back from the ledger. Every choice must then be that of a placement
+    built afresh over the same states."""
+    import dataclasses
+    rng = random.Random(100 + seed)
+    n = rng.choice((2, 16, 130))
+    states = fleet(n, rng)
+    kept = {mode: Placement(states, 0.15, use_arrays=mode) for mode in (False, True)}
+    for _call in range(30):
+        moved = rng.sample(states, rng.randrange(0, n + 1))
+        for b in moved:
+            what = rng.randrange(4)
+            if what == 0:
+                b.limit = b.view.capacity_tokens * rng.choice((0.5, 1.0, 1.3))
+            elif what == 1:
+                b.view = dataclasses.replace(b.view, capacity_tokens=rng.choice((40_000, 500_000)))
+            elif what == 2:
+                b.reserved = rng.uniform(0, b.limit)
+            else:
+                b.running = rng.randrange(50)
+        for placement in kept.values():
+            placement.sync(moved)
+        fresh = Placement(states, 0.15, use_arrays=True)
+        for _ in range(20):
+            charge = rng.choice((500.0, 20_000.0, rng.uniform(1, 400_000)))
+            run_slack = rng.choice((0.0, 1.0, 6.0))
+            want = fresh.choose(fresh.pool(), charge, None, run_slack)
+            for placement in kept.values():
+                assert placement.choose(placement.pool(), charge, None, run_slack) == want
+                assert placement.fits(placement.pool(), charge) is (want[0] is not None)
