@@ -11,8 +11,11 @@ It runs once per admission, a hundred or more times per call at a few hundred ba
 evaluations of the same rule: loops over the pool's backends (cheapest for small fleets), and,
 from `ARRAY_MIN_BACKENDS` up, NumPy arrays of the call's reservations and running counts,
 updated in place on each placement, so a choice costs a few vector operations over the fleet
-instead of three Python passes. tests/broker/policies/test_misa_t_placement.py checks that
-both choose the same backend on every step of random calls.
+instead of three Python passes. The arrays outlive the call: the next one `sync`s only the
+backends that moved (a new α or cache size, reservations set back from the ledger), so a call
+where a few backends changed does not rebuild them over the fleet.
+tests/broker/policies/test_misa_t_placement.py checks that both evaluations choose the same
+backend on every step of random calls, and that a synced placement chooses as a new one.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ ARRAY_MIN_BACKENDS = 128  # measured 2026-11-30: a choice cost ~30 µs in arrays
 
 @dataclass(slots=True)
 class BackendState:
-    """Per-backend working state of one decide() call."""
+    """A backend's working state in a decide() call (MisaT keeps the object across calls and
+    sets it back from its accounting where anything moved)."""
 
     view: BackendView
     limit: float  # α_b·C_b
@@ -66,7 +70,8 @@ class Hits:
 
 
 class Placement:
-    """The backends of one decide() call and the choice rule over them."""
+    """The healthy backends and the choice rule over them. MisaT keeps one across calls while
+    the fleet is the same backends in the same order, and `sync`s the states that moved."""
 
     def __init__(self, backends: Sequence[BackendState], locality_slack: float,
                  use_arrays: bool | None = None) -> None:
