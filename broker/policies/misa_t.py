@@ -35,6 +35,7 @@ while others run (misa_t_control.CompletionPacer).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -252,10 +253,13 @@ class MisaT(Policy):
         self._healthy = max(1, len(out))
         self._limit_total = limit_total
         placement = self._placement
-        if placement is None or placement.backends != out:
-            placement = self._placement = Placement(out, self.config.locality_slack)
-        else:
+        # The same state objects in the same order (by identity: a backend that left and came
+        # back has a new state, which may compare equal to its old one).
+        if (placement is not None and len(placement.backends) == len(out)
+                and all(map(operator.is_, placement.backends, out))):
             placement.sync(moved)
+        else:
+            placement = self._placement = Placement(out, self.config.locality_slack)
         return placement, dict(self._used)
 
     def _book(self, backend_id: str, booked: _Booked | None) -> None:

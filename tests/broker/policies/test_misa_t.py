@@ -644,10 +644,13 @@ def test_accounting_kept_across_calls_decides_as_accounting_every_backend_again(
             healthy[b] = not healthy[b]
             changed.add(b)
         if step % 13 == 7:  # a backend leaves (its sessions requeued) or comes back empty
-            b = rng.choice(ids)
-            present ^= {b}
-            residents[b] = ()
-            changed.add(b)
+            swap = [rng.choice(ids)]
+            if step % 2 and len(present) < n:  # ... both at once: as many backends as before
+                swap = [rng.choice(sorted(present)), rng.choice(sorted(set(ids) - present))]
+            for b in swap:
+                present ^= {b}
+                residents[b] = ()
+                changed.add(b)
         for b in ids:
             if b in changed or b not in views:
                 views[b] = BackendView(backend_id=b, capacity_tokens=caps[b],
