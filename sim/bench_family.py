@@ -206,11 +206,12 @@ def summarize_family(rows: Sequence[dict[str, dict[str, float | None]]],
     out = {}
     for name in policies:
         summary: dict[str, float | int | None] = {}
+        present: dict[str, list[float]] = {}
         for key in ("x_best", "x_best_steady", "x_best_cold", "start_up_speed"):
-            xs = [r[name][key] for r in rows if r[name][key]]
+            xs = present[key] = [r[name][key] for r in rows if r[name][key]]
             summary[f"min_{key}"] = min(xs, default=None)
             summary[f"geomean_{key}"] = geomean(xs) if xs else None
-        whole = [r[name]["x_best"] for r in rows if r[name]["x_best"]]
+        whole = present["x_best"]
         bound = [r[name]["of_bound"] for r in rows]
         summary["wins"] = sum(1 for x in whole if x > 1.0)
         summary["scenarios"] = len(whole)

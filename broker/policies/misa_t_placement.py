@@ -145,11 +145,15 @@ class Placement:
     def fits(self, pool: Pool, charge: float) -> bool:
         """Whether some backend of `pool` has room for `charge` tokens (else `choose` finds none)."""
         if self._arrays:
-            fits = np.greater_equal(self._room, charge, out=self._fits)
-            if pool.mask is not None:
-                fits &= pool.mask
-            return bool(fits.any())
+            return bool(self._fitting(pool, charge).any())
         return any(b.limit - b.reserved >= charge for b in pool.members)
+
+    def _fitting(self, pool: Pool, charge: float) -> np.ndarray:
+        """The mask of the pool's backends with room for `charge` (in the scratch `_fits`)."""
+        fits = np.greater_equal(self._room, charge, out=self._fits)
+        if pool.mask is not None:
+            fits &= pool.mask
+        return fits
 
     def choose(self, pool: Pool, charge: float, hits: Hits | None,
                run_slack: float) -> tuple[BackendState | None, int]:
@@ -195,9 +199,7 @@ class Placement:
         # The same rule as the loops, in as few whole-array operations as it takes (each costs
         # one to three microseconds at a few hundred backends, more than the arithmetic).
         room, util, running = self._room, self._util, self._running
-        fits = np.greater_equal(room, charge, out=self._fits)
-        if pool.mask is not None:
-            fits &= pool.mask
+        fits = self._fitting(pool, charge)
         fitting = util[fits]
         if not fitting.size:
             return None, 0

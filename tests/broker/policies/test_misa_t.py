@@ -549,6 +549,17 @@ def test_ablations_are_misa_t_with_one_switch_off() -> None:
         assert all(getattr(policy.config, o) == getattr(default, o) for o in others)
 
 
+def grpo_pairs(rng, step: int, now: float) -> list[PendingItem]:
+    """Up to three GRPO pairs of either workload, on a few shared 300-token prompts."""
+    items = []
+    for i in range(rng.randint(0, 3)):
+        w, p = rng.choice(("rlhf", "rlvr")), rng.randrange(6)
+        prompt = tuple(range(p * 1000, p * 1000 + 300))
+        items += [pending(f"p{step}-{i}-{m}", workload=w, group=f"g{step}-{i}", size=2,
+                          prompt=300, prefix=prompt, at=now) for m in range(2)]
+    return items
+
+
 def test_sums_kept_for_an_unchanged_backend_give_the_decisions_of_summing_again() -> None:
     """The broker hands back the very same sessions tuple for a backend where nothing changed;
     MisaT then reuses its accounting there (sums, α, prefix horizon) unless its heartbeat or
@@ -578,12 +589,7 @@ def test_sums_kept_for_an_unchanged_backend_give_the_decisions_of_summing_again(
             beats[b] = hb(now, usage=rng.uniform(0.2, 0.9))
         if step % 17 == 5:  # a backend's engine restarts with another cache size
             caps[rng.choice("abcd")] = rng.choice((16_000, 20_000, 24_000))
-        items = []
-        for i in range(rng.randint(0, 3)):  # GRPO pairs on a few shared prompts
-            w, p = rng.choice(("rlhf", "rlvr")), rng.randrange(6)
-            prompt = tuple(range(p * 1000, p * 1000 + 300))
-            items += [pending(f"p{step}-{i}-{m}", workload=w, group=f"g{step}-{i}", size=2,
-                              prompt=300, prefix=prompt, at=now) for m in range(2)]
+        items = grpo_pairs(rng, step, now)
         same = [view(b, telemetry=beats.get(b), capacity=caps[b]) for b in "abcd"]
         same = [dataclasses.replace(v, sessions=tuples.get(b, ())) for b, v in zip("abcd", same)]
         copies = [dataclasses.replace(v, sessions=tuple(list(v.sessions))) for v in same]
@@ -658,12 +664,7 @@ def test_accounting_kept_across_calls_decides_as_accounting_every_backend_again(
                                        telemetry=beats.get(b), sessions=residents[b])
         shown = [views[b] for b in ids if b in present]
         copies = [dataclasses.replace(v, sessions=tuple(list(v.sessions))) for v in shown]
-        items = []
-        for i in range(rng.randint(0, 3)):  # GRPO pairs on a few shared prompts
-            w, p = rng.choice(("rlhf", "rlvr")), rng.randrange(6)
-            prompt = tuple(range(p * 1000, p * 1000 + 300))
-            items += [pending(f"p{step}-{i}-{m}", workload=w, group=f"g{step}-{i}", size=2,
-                              prompt=300, prefix=prompt, at=now) for m in range(2)]
+        items = grpo_pairs(rng, step, now)
         # A follow-up turn (router mode) goes home, whatever the limits; here to the emptiest
         # backend, where a new group would go but for it.
         home = min((v for v in shown if v.healthy), key=lambda v: v.reserved_tokens, default=None)
