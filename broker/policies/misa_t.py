@@ -61,7 +61,7 @@ from broker.policies.misa_t_prefix import PrefixIndex, PrefixKey, prefix_key
 
 @dataclass(frozen=True, slots=True)
 class MisaTConfig:
-    adaptive_admission: bool = True  # off: α stays alpha_init (no AIMD)
+    adaptive_admission: bool = True  # off: α stays 1 (no AIMD)
     workload_allocation: bool = True  # off: no shares, no deficit; oldest first across workloads
     residency_accounting: bool = True  # off: charge prompt + max_tokens once, never re-charge
     prefix_placement: bool = True  # off: most headroom, no prefix index
@@ -307,7 +307,7 @@ class MisaT(Policy):
         if not cfg.adaptive_admission:
             first = 1.0  # the ledger's own meaning: reservations may reach C_b
         else:
-            first = view.alpha if view.alpha > 0 else cfg.aimd.alpha_init
+            first = view.alpha if view.alpha > 0 else 1.0
         alpha = self.alpha.setdefault(b, first)
         calm_since = self._calm_since.setdefault(b, now)
         hb = view.telemetry

@@ -32,14 +32,14 @@ from broker.policies.base import Telemetry
 
 @dataclass(frozen=True, slots=True)
 class AimdParams:
-    # Charges are expected *final* contexts (misa_t.py), so α = 1 means "the expected peak of
-    # everything admitted fits the cache". Start just below it, before any heartbeat says how
-    # much of those charges the engine really holds.
-    alpha_init: float = 0.95
+    # Charges are expected *final* contexts (misa_t.py), so α = 1 (the ledger's α of a new
+    # backend, where the loop starts) means "the expected peak of everything admitted fits".
     alpha_min: float = 0.6  # a preempting backend still admits once its ledger drains this far
     # Not a limit the loop aims at: a guard against a ratio measured on a backend whose few
-    # sessions have barely started (ρ near 0 asks for an unbounded α).
-    alpha_max: float = 4.0
+    # sessions have barely started (ρ near 0 asks for an unbounded α). In a cold start the
+    # charges sit at the length caps, far above what sessions reach, and a guard of 4 bound
+    # there and held the first iterations back (docs/misa-t.md §1g measures 4 against 8).
+    alpha_max: float = 8.0
     usage_ratio_gain: float = 0.3  # EWMA gain of ρ_b per heartbeat (~3 s memory at 1 s)
     min_charged: float = 0.05  # ρ_b is measured only while this fraction of C_b is charged
     approach: float = 0.5  # per calm heartbeat α closes this fraction of its gap to the ceiling

@@ -121,6 +121,9 @@ def test_usage_ratio_follows_what_the_engine_holds_per_token_charged() -> None:
     assert p.ceiling(None) is None
     assert p.ceiling(0.5) == pytest.approx(p.kv_target / 0.5)
     assert p.ceiling(0.001) == p.alpha_max  # a guard, not a target
+    # ... and not one that binds where a cold start's charges sit at the length caps and the
+    # engine holds 15% of them (docs/misa-t.md §1g: a guard of 4 held such starts back)
+    assert p.ceiling(0.15) == pytest.approx(p.kv_target / 0.15)
 
 
 def test_alpha_overbooks_until_the_engine_reports_its_target_usage() -> None:
