@@ -36,10 +36,10 @@ class AimdParams:
     # backend, where the loop starts) means "the expected peak of everything admitted fits".
     alpha_min: float = 0.6  # a preempting backend still admits once its ledger drains this far
     # Not a limit the loop aims at: a guard against a ratio measured on a backend whose few
-    # sessions have barely started (ρ near 0 asks for an unbounded α). In a cold start the
-    # charges sit at the length caps, far above what sessions reach, and a guard of 4 bound
-    # there and held the first iterations back (docs/misa-t.md §1g measures 4 against 8).
-    alpha_max: float = 8.0
+    # sessions have barely started (ρ near 0 asks for an unbounded α). It does bind in cold
+    # starts, where charges sit at the length caps; 8 there was tried and not kept
+    # (docs/misa-t.md §1g: neutral on a held-out draw, more preemptions under contention).
+    alpha_max: float = 4.0
     usage_ratio_gain: float = 0.3  # EWMA gain of ρ_b per heartbeat (~3 s memory at 1 s)
     min_charged: float = 0.05  # ρ_b is measured only while this fraction of C_b is charged
     approach: float = 0.5  # per calm heartbeat α closes this fraction of its gap to the ceiling
