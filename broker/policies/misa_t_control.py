@@ -37,7 +37,7 @@ class AimdParams:
     alpha_min: float = 0.6  # a preempting backend still admits once its ledger drains this far
     # Not a limit the loop aims at: a guard against a ratio measured on a backend whose few
     # sessions have barely started (ρ near 0 asks for an unbounded α). It does bind in cold
-    # starts, where charges sit at the length caps; 8 there was tried and not kept
+    # starts, where charges sit at the length caps; a guard of 8 was tried and not kept
     # (docs/misa-t.md §1g: neutral on a held-out draw, more preemptions under contention).
     alpha_max: float = 4.0
     usage_ratio_gain: float = 0.3  # EWMA gain of ρ_b per heartbeat (~3 s memory at 1 s)
