@@ -14,6 +14,10 @@ Each `decide(snapshot)`:
    signals (a preemption, a growing queue, usage above the watermark), otherwise move toward
    the α at which the KV the engine reports in use would reach its target, given the measured
    ratio of used to charged KV on that backend (the loop between the ledger and the engine).
+   Where the backend's residents are younger than the sessions that finished were over their
+   residency (a cohort admitted together holds its prompts and is charged its expected ends),
+   that ratio is scaled up by how much more they will hold: ∫KV dt / ∫charge dt of finished
+   sessions against the residents' context per charged token now.
 4. Allocate: workload w may hold σ_w of Σ_b α_b·C_b, σ_w ∝ π_w·K_w with a deficit correction;
    idle shares are lent, and lending stops (never preempts) once an owner has pending work.
    An owner below its share whose oldest session fits nowhere keeps the backend closest to
@@ -92,6 +96,12 @@ class MisaTConfig:
     balance_slack_sessions: int = 1
     balance_slack_frac: float = 0.15
     recharge_tolerance: float = 0.05  # re-charge only when a charge moves by more than this fraction
+    # Anticipate the growth of young residents (docs/misa-t.md §2, step 3): scale ρ_b by how much
+    # more of their charge single-turn residents will hold, judged by finished sessions, once
+    # that factor is beyond `growth_noise_band`/√n of 1 (n such residents: the spread of n
+    # sessions' context-per-charge around its mean is about 1/√n of it).
+    anticipate_growth: bool = True
+    growth_noise_band: float = 2.0
     # Re-evaluate a session's charge once it has produced this many tokens more (~6 s of decode
     # at ~40 tok/s), its turn or parking changed, or recheck_s passed (a tool wait ageing).
     recheck_tokens: int = 256
@@ -115,6 +125,17 @@ class _Track:
     checked_parked: bool = False  # waiting_on_tool then
     checked_at: float = 0.0  # heartbeat time then
     peak_context: int = 0  # largest context seen in a heartbeat (a multi-turn session's KV peak)
+    # The ledger's charge in force since `charged_at`, and ∫ charge dt before that since the
+    # admission; None for a session this policy object did not admit (a restarted broker's).
+    charge: float = 0.0
+    charged_at: float = 0.0
+    charge_seconds: float | None = None
+
+    def hold(self, now: float, charge: float) -> None:
+        """The ledger charges `charge` from `now` on (what it charged before counts until now)."""
+        if self.charge_seconds is not None:
+            self.charge_seconds += self.charge * max(0.0, now - self.charged_at)
+        self.charge, self.charged_at = charge, now
 
 
 @dataclass(slots=True)
@@ -129,6 +150,7 @@ class _Booked:
     by_workload: dict[str, float]  # charge per workload (whole tokens: sums stay exact)
     reserved: float
     in_flight: int
+    growth: float  # the factor ρ_b is scaled by for its residents' age (1: none; `_growth`)
     # The backend's working state in a call, set from the sums above at the start of each call
     # (only where anything moved or the last call placed on it: `Placement.sync`).
     state: BackendState
@@ -155,6 +177,7 @@ class MisaT(Policy):
         self._healthy = 1  # ... and how many healthy backends there are
         self._max_len = 1 << 30  # smallest max_model_len seen: no context exceeds it
         self._keys: dict[str, PrefixKey] = {}  # prefix keys of pending items, by session (or group)
+        self._now = 0.0  # within one decide(): the snapshot's time
 
     # -- predictions (misa_t-true-lengths overrides these two) ------------------------------------
     def admission_output(self, s: PendingItem | ResidentSession) -> float:
@@ -177,6 +200,7 @@ class MisaT(Policy):
     # -- decide --------------------------------------------------------------------------
     def decide(self, snapshot: Snapshot) -> Decision:
         decision = Decision()
+        self._now = snapshot.now
         for c in snapshot.new_completions:
             self._learn(c)
         placement, used = self._account(snapshot, decision)
@@ -197,6 +221,10 @@ class MisaT(Policy):
             return  # never admitted by this policy object: no caps known to seed a prior
         track = self._tracks.pop(c.session_id, None)
         model.observe(c, track.peak_context if track is not None else 0)
+        if track is not None and track.charge_seconds is not None and model.max_turns <= 1:
+            track.hold(c.finished_at, 0.0)
+            if track.charge_seconds > 0:
+                model.held_per_charged.add(c.kv_token_seconds, track.charge_seconds)
 
     # -- accounting and α ----------------------------------------------------------------
     def _account(self, snapshot: Snapshot, decision: Decision) -> tuple[Placement, dict[str, float]]:
@@ -232,7 +260,7 @@ class MisaT(Policy):
                 self._max_len = min(self._max_len, view.max_model_len)
                 booked = self._charge_residents(view, snapshot.now, fresh, decision)
                 alpha = self._adapt_alpha(view, fresh, work_pending, booked.reserved,
-                                          snapshot.now)
+                                          booked.growth, snapshot.now)
                 state = booked.state
                 state.limit = alpha * view.capacity_tokens
                 moved.append(state)
@@ -280,13 +308,23 @@ class MisaT(Policy):
         accounting is on), summed per workload; returns (and keeps) the backend's booking."""
         recharge = fresh and self.config.residency_accounting
         booked = self._booked.get(view.backend_id)
+        growth = booked.growth if booked is not None else 1.0
         if not recharge and booked is not None and booked.sessions is view.sessions:
             by_workload = booked.by_workload  # the very same sessions: their sums are known
+        elif recharge:
+            by_workload = {}
+            context: dict[str, float] = {}
+            for s in view.sessions:
+                charge = self._recharge(s, view, now, decision)
+                w = s.workload
+                by_workload[w] = by_workload.get(w, 0.0) + charge
+                context[w] = context.get(w, 0.0) + s.context_tokens
+            if self.config.anticipate_growth:
+                growth = self._growth(view.sessions, by_workload, context)
         else:
             by_workload = {}
             for s in view.sessions:
-                charge = self._recharge(s, view, now, decision) if recharge else s.reserved_tokens
-                by_workload[s.workload] = by_workload.get(s.workload, 0.0) + charge
+                by_workload[s.workload] = by_workload.get(s.workload, 0.0) + s.reserved_tokens
         reserved = 0.0
         for charge in by_workload.values():
             reserved += charge
@@ -294,13 +332,44 @@ class MisaT(Policy):
         state.view, state.reserved, state.running = view, reserved, view.in_flight
         # After a re-charge the next view carries the new charges: nothing to reuse then.
         booked = _Booked(None if recharge else view.sessions, view.capacity_tokens,
-                         view.max_model_len, by_workload, reserved, view.in_flight, state)
+                         view.max_model_len, by_workload, reserved, view.in_flight, growth, state)
         self._book(view.backend_id, booked)
         return booked
 
+    def _growth(self, sessions: Sequence[ResidentSession], charged: Mapping[str, float],
+                context: Mapping[str, float]) -> float:
+        """The factor ρ_b is scaled by: how much more of what they are charged this backend's
+        residents will hold, judged by the finished sessions of their workloads.
+
+        A finished single-turn session held `held_per_charged` (∫KV dt / ∫charge dt) over its
+        residency; residents of every age, mixed as a steady state mixes them, hold that ratio
+        of their charges now. Residents that hold less (a cohort admitted together: prompts
+        in KV, expected ends charged) will grow into it. The factor is Σ_w ratio_w·charged_w
+        over Σ_w context_w, where a workload with no learned ratio (too few finished sessions,
+        or multi-turn sessions, whose context jumps by tool observations between heartbeats)
+        counts its context on both sides; 1 where it does not pass the noise band, or is below
+        1 (older residents: what the engine holds already says it)."""
+        expected = held = 0.0
+        learned: dict[str, float] = {}
+        for w, ctx in context.items():
+            model = self.models.get(w)
+            ratio = model.held_per_charged.ratio() if model is not None else None
+            held += ctx
+            if ratio is None:
+                expected += ctx
+            else:
+                learned[w] = ratio
+                expected += ratio * charged[w]
+        if not learned or held <= 0:
+            return 1.0
+        n = sum(1 for s in sessions if s.workload in learned)
+        factor = expected / held
+        return factor if factor >= 1.0 + self.config.growth_noise_band / math.sqrt(n) else 1.0
+
     def _adapt_alpha(self, view: BackendView, fresh: bool, work_pending: bool,
-                     reserved: float, now: float) -> float:
-        """α_b after this heartbeat (AIMD on the engine's own signals when it is fresh)."""
+                     reserved: float, growth: float, now: float) -> float:
+        """α_b after this heartbeat (AIMD on the engine's own signals when it is fresh); the
+        loop reads ρ_b scaled by `growth` (`_growth`)."""
         cfg = self.config
         b = view.backend_id
         # A restarted broker resumes from the ledger's α; without AIMD α is a constant.
@@ -317,6 +386,8 @@ class MisaT(Policy):
                 ratio = cfg.aimd.usage_ratio(self._usage_ratio.get(b), hb, reserved,
                                              view.capacity_tokens)
                 self._usage_ratio[b] = ratio
+                if ratio is not None:
+                    ratio *= growth
                 alpha = cfg.aimd.step(alpha, hb, before, work_pending=work_pending,
                                       reserved=reserved, capacity=view.capacity_tokens,
                                       ratio=ratio, calm_for=hb.at - calm_since)
@@ -336,6 +407,7 @@ class MisaT(Policy):
             self._tracks[s.session_id] = track
         if s.context_tokens > track.peak_context:
             track.peak_context = s.context_tokens
+        track.hold(now, float(s.reserved_tokens))  # what the ledger charges (it may refuse a growth)
         if (
             s.generated_tokens - track.checked_tokens < cfg.recheck_tokens
             and s.waiting_on_tool == track.checked_parked
@@ -350,6 +422,7 @@ class MisaT(Policy):
             s.reserved_tokens, 1
         ):
             decision.recharge[s.session_id] = int(charge)
+            track.hold(now, float(int(charge)))
             return float(int(charge))
         return float(s.reserved_tokens)
 
@@ -623,7 +696,8 @@ class MisaT(Policy):
         decision.admissions.append(Admission(item.session_id, b, int(charge)))
         if item.turn == 0:  # each session's prompt counts once, when it is placed
             self.models[item.workload].note_prompt(item.prompt_tokens)
-        self._tracks[item.session_id] = _Track()
+        self._tracks[item.session_id] = _Track(charge=float(int(charge)), charged_at=self._now,
+                                               charge_seconds=0.0)
 
 
 def _variant(name: str, **settings: Any) -> Callable[..., MisaT]:

@@ -9,9 +9,11 @@ predictor for a lookup it is *given*, and that is the only side channel (misa_t_
   the q-quantile of the lengths seen above x" (E[len | len > x] style, as a quantile so one
   rare monster does not set everyone's charge). Until `min_samples` arrive it answers from a
   conservative prior (the cap).
+- `RatioWindow`: Σ numerators / Σ denominators over the last `size` pairs: how much KV finished
+  sessions held per token they were charged, over their whole residency.
 - `WorkloadModel`: per workload, the windows the policy needs — output per turn, final context
-  of multi-turn sessions, tool wait per gap, admission-to-finish time — and K_w, the mean
-  KV·token-seconds per session.
+  of multi-turn sessions, tool wait per gap, admission-to-finish time, KV held per token charged
+  — and K_w, the mean KV·token-seconds per session.
 """
 
 from __future__ import annotations
@@ -114,6 +116,36 @@ class TailWindow:
         return sum(self.recent) / len(self.recent)
 
 
+class RatioWindow:
+    """Σ num / Σ den over the latest `size` (num, den) pairs; None until `min_samples` arrive.
+
+    A ratio of sums, not a mean of ratios: each pair weighs by its denominator (a session by
+    the charge-seconds it held), as the KV of a backend's residents does."""
+
+    __slots__ = ("size", "min_samples", "recent", "num", "den")
+
+    def __init__(self, size: int, min_samples: int) -> None:
+        self.size = size
+        self.min_samples = min_samples
+        self.recent: deque[tuple[float, float]] = deque()
+        self.num = 0.0
+        self.den = 0.0
+
+    def add(self, num: float, den: float) -> None:
+        self.recent.append((num, den))
+        self.num += num
+        self.den += den
+        if len(self.recent) > self.size:
+            old_num, old_den = self.recent.popleft()
+            self.num -= old_num
+            self.den -= old_den
+
+    def ratio(self) -> float | None:
+        if len(self.recent) < self.min_samples or self.den <= 0:
+            return None
+        return self.num / self.den
+
+
 @dataclass(frozen=True, slots=True)
 class PredictorParams:
     window: int = 512  # samples kept per quantity: recent enough to follow a length curriculum
@@ -138,6 +170,9 @@ class WorkloadModel:
         self.decode_tok_s = p.prior_decode_tok_s  # the K_w prior's per-stream decode rate
         self.prompt_mean = 0.0  # EWMA of first-turn prompt tokens (for the K_w prior)
         self.duration = TailWindow(p.window, p.min_samples, 0.0)  # admitted -> finished, seconds
+        # ∫ KV held dt / ∫ charge dt of finished single-turn sessions, over their residency:
+        # what the ratio of used to charged KV comes to once residents of every age are mixed.
+        self.held_per_charged = RatioWindow(p.window, p.min_samples)
 
     def note_prompt(self, prompt_tokens: int) -> None:
         if self.prompt_mean == 0.0:

@@ -22,7 +22,7 @@ from broker.policies.base import (
 )
 from broker.policies.misa_t import MisaT, MisaTConfig
 from broker.policies.misa_t_control import AimdParams, CompletionPacer, admissible, shares
-from broker.policies.misa_t_predictors import TailWindow
+from broker.policies.misa_t_predictors import RatioWindow, TailWindow
 from broker.policies.misa_t_prefix import PrefixIndex, prefix_key
 
 CAP = 100_000
@@ -151,6 +151,102 @@ def test_alpha_overbooks_until_the_engine_reports_its_target_usage() -> None:
     d = make_policy("misa_t-admission", residency_accounting=False).decide(
         snap([view("a", *residents, alpha=1.3, telemetry=hb(1.0, usage=0.3))], items))
     assert d.alpha == {"a": 1.0} and d.admissions == []
+
+
+def learned(policy, *, workload="rlhf", max_turns=1, ratio=0.5, n=16, turns=1) -> None:
+    """n sessions admitted at t=0 at the cap (charge 1,100, nothing learned yet), finished at
+    t=10 holding `ratio` of that charge over their residency (kv_token_seconds)."""
+    items = [pending(f"l{i}", workload=workload, max_turns=max_turns) for i in range(n)]
+    d = policy.decide(snap([view("a")], items, target={workload: 1.0}))
+    assert [a.reserved_tokens for a in d.admissions] == [1100] * n
+    done = [completion(f"l{i}", workload=workload, turns=turns, duration=10.0,
+                       kv_s=ratio * 1100 * 10.0) for i in range(n)]
+    policy.decide(snap([view("a")], now=10.0, done=done, target={workload: 1.0}))
+
+
+def test_held_per_charged_is_learned_from_single_turn_sessions_over_their_residency() -> None:
+    policy = make_policy("misa_t")
+    learned(policy, ratio=0.5, n=15)
+    assert policy.models["rlhf"].held_per_charged.ratio() is None  # 15 < min_samples
+    learned(policy, ratio=0.5, n=1)
+    assert policy.models["rlhf"].held_per_charged.ratio() == pytest.approx(0.5)
+    agentic = make_policy("misa_t")  # multi-turn: the context jumps between heartbeats
+    learned(agentic, workload="agentic", max_turns=3, turns=2)
+    assert agentic.models["agentic"].held_per_charged.ratio() is None
+    restarted = make_policy("misa_t")  # sessions it did not admit have no charge history
+    restarted.decide(snap([view("a", *[resident(f"l{i}") for i in range(16)],
+                                telemetry=hb(5.0))], [pending("x")]))
+    restarted.decide(snap([view("a")], [pending("y")], now=10.0,
+                          done=[completion(f"l{i}", duration=10.0) for i in range(16)]))
+    assert restarted.models["rlhf"].held_per_charged.ratio() is None
+
+
+def test_the_charge_integral_is_what_the_ledger_charged_a_refused_growth_not_counted() -> None:
+    policy = make_policy("misa_t")
+    learned(policy, ratio=0.5)  # 16 sessions: 5,500 held per 11,000 charged
+    (a,) = policy.decide(snap([view("a")], [pending("s")], now=11.0)).admissions
+    assert a.reserved_tokens == 600
+    past = resident("s", reserved=600, context=700, generated=600)  # past every sample seen
+    d = policy.decide(snap([view("a", past, telemetry=hb(12.0))], [pending("x")], now=12.0))
+    assert d.recharge == {"s": 1100}  # the cap: the tail above 600 is unknown
+    # the ledger refuses the growth (no room under α·C): the next heartbeat still says 600
+    policy.decide(snap([view("a", past, telemetry=hb(13.0))], [pending("x")], now=13.0))
+    charged = 600 * 1.0 + 1100 * 1.0 + 600 * 7.0  # until the heartbeat that shows the refusal
+    policy.decide(snap([view("a")], [pending("y")], now=20.0,
+                       done=[completion("s", duration=20.0, kv_s=charged)]))
+    ratio = policy.models["rlhf"].held_per_charged.ratio()
+    assert ratio == pytest.approx((16 * 5500 + charged) / (16 * 11000 + charged))
+
+
+def grow_alpha(policy, *, context: int, steps: int = 60) -> float:
+    """Heartbeats of one backend whose residents all hold `context` tokens (the engine's usage
+    is their sum), with work pending: the α the loop reaches."""
+    residents: list = []
+    items = [pending(f"p{i}", at=float(i)) for i in range(3000)]
+    alpha = 1.0
+    for t in range(11, 11 + steps):
+        usage = sum(r.context_tokens for r in residents) / CAP
+        d = policy.decide(snap([view("a", *residents, alpha=alpha,
+                                     telemetry=hb(float(t), usage=usage))], items, now=float(t)))
+        alpha = d.alpha.get("a", alpha)
+        charges = {r.session_id: d.recharge.get(r.session_id, r.reserved_tokens) for r in residents}
+        residents = [dataclasses.replace(r, reserved_tokens=charges[r.session_id]) for r in residents]
+        residents += [resident(a.session_id, reserved=a.reserved_tokens, context=context,
+                               generated=context - 100) for a in d.admissions]
+        items = items[len(d.admissions):]
+    return alpha
+
+
+def test_young_residents_scale_the_usage_ratio_by_how_much_more_they_will_hold() -> None:
+    """Finished sessions held half of their charge over their residency; residents that hold a
+    fifth of it are young and will grow: the loop's ceiling is kv_target / (ρ·2.5) = 1.94
+    (what the engine would hold once they have), where the measured ρ alone puts it past
+    the guard of 4. Residents already holding more than half say nothing more than ρ does."""
+    p = AimdParams()
+    anticipating, blind = make_policy("misa_t"), make_policy("misa_t", anticipate_growth=False)
+    for policy in (anticipating, blind):
+        learned(policy, ratio=0.5)
+    # after 16 completions of 500 tokens a fresh session is charged 100 + 500 = 600
+    assert grow_alpha(anticipating, context=120) == pytest.approx(p.kv_target / 0.5, rel=0.02)
+    assert grow_alpha(blind, context=120) == pytest.approx(p.alpha_max)
+    older = make_policy("misa_t")
+    learned(older, ratio=0.5)
+    assert grow_alpha(older, context=480) == pytest.approx(p.kv_target / 0.8, rel=0.02)
+
+
+def test_growth_within_the_noise_of_a_few_residents_is_not_scaled() -> None:
+    """With n residents the factor must pass 1 + 2/√n: 4 residents at 1.5× are noise."""
+    policy = make_policy("misa_t")
+    learned(policy, ratio=0.5)
+    young = [resident(f"r{i}", reserved=600, context=200, generated=100) for i in range(4)]
+    usage = 800 / CAP
+    policy.decide(snap([view("a", *young, telemetry=hb(11.0, usage=usage))], [pending("x")],
+                       now=11.0))
+    assert policy._booked["a"].growth == 1.0
+    many = [resident(f"r{i}", reserved=600, context=200, generated=100) for i in range(64)]
+    policy.decide(snap([view("a", *many, telemetry=hb(12.0, usage=64 * 200 / CAP))],
+                       [pending("x")], now=12.0))
+    assert policy._booked["a"].growth == pytest.approx(0.5 * 600 / 200)
 
 
 def test_admits_only_while_reservations_fit_alpha_times_capacity() -> None:
@@ -496,6 +592,17 @@ def test_prefix_index_matches_by_landmark_and_forgets_after_a_cache_of_churn() -
     assert index.match(prefix_key(tuple(range(300)) + (9,) * 100), "a") == 256
     index.insert(prefix_key((7,) * 64), "a", 1001)
     assert index.match(key, "a") == 0
+
+
+def test_ratio_window_is_a_ratio_of_sums_over_the_latest_pairs() -> None:
+    w = RatioWindow(size=3, min_samples=2)
+    w.add(1.0, 2.0)
+    assert w.ratio() is None
+    w.add(3.0, 2.0)
+    assert w.ratio() == pytest.approx(1.0)
+    w.add(2.0, 4.0)
+    w.add(10.0, 10.0)  # (1, 2) slides out
+    assert w.ratio() == pytest.approx(15.0 / 16.0)
 
 
 def test_tail_window_is_a_sliding_sorted_multiset() -> None:
