@@ -311,20 +311,21 @@ class MisaT(Policy):
         growth = booked.growth if booked is not None else 1.0
         if not recharge and booked is not None and booked.sessions is view.sessions:
             by_workload = booked.by_workload  # the very same sessions: their sums are known
-        elif recharge:
-            by_workload = {}
-            context: dict[str, float] = {}
-            for s in view.sessions:
-                charge = self._recharge(s, view, now, decision)
-                w = s.workload
-                by_workload[w] = by_workload.get(w, 0.0) + charge
-                context[w] = context.get(w, 0.0) + s.context_tokens
-            if self.config.anticipate_growth:
-                growth = self._growth(view.sessions, by_workload, context)
         else:
             by_workload = {}
+            # per workload: (context tokens, residents), for the growth factor of a fresh beat
+            held: dict[str, list[float]] | None = (
+                {} if recharge and self.config.anticipate_growth else None)
             for s in view.sessions:
-                by_workload[s.workload] = by_workload.get(s.workload, 0.0) + s.reserved_tokens
+                charge = self._recharge(s, view, now, decision) if recharge else s.reserved_tokens
+                w = s.workload
+                by_workload[w] = by_workload.get(w, 0.0) + charge
+                if held is not None:
+                    sums = held.setdefault(w, [0.0, 0])
+                    sums[0] += s.context_tokens
+                    sums[1] += 1
+            if held is not None:
+                growth = self._growth(by_workload, held)
         reserved = 0.0
         for charge in by_workload.values():
             reserved += charge
@@ -336,10 +337,10 @@ class MisaT(Policy):
         self._book(view.backend_id, booked)
         return booked
 
-    def _growth(self, sessions: Sequence[ResidentSession], charged: Mapping[str, float],
-                context: Mapping[str, float]) -> float:
+    def _growth(self, charged: Mapping[str, float], held: Mapping[str, list[float]]) -> float:
         """The factor ρ_b is scaled by: how much more of what they are charged this backend's
-        residents will hold, judged by the finished sessions of their workloads.
+        residents will hold, judged by the finished sessions of their workloads (`charged`:
+        their charges per workload; `held`: their context tokens and their number).
 
         A finished single-turn session held `held_per_charged` (∫KV dt / ∫charge dt) over its
         residency; residents of every age, mixed as a steady state mixes them, hold that ratio
@@ -349,21 +350,20 @@ class MisaT(Policy):
         or multi-turn sessions, whose context jumps by tool observations between heartbeats)
         counts its context on both sides; 1 where it does not pass the noise band, or is below
         1 (older residents: what the engine holds already says it)."""
-        expected = held = 0.0
-        learned: dict[str, float] = {}
-        for w, ctx in context.items():
+        expected = total = 0.0
+        n = 0  # residents of workloads with a learned ratio
+        for w, (context, residents) in held.items():
             model = self.models.get(w)
             ratio = model.held_per_charged.ratio() if model is not None else None
-            held += ctx
+            total += context
             if ratio is None:
-                expected += ctx
+                expected += context
             else:
-                learned[w] = ratio
                 expected += ratio * charged[w]
-        if not learned or held <= 0:
+                n += residents
+        if n == 0 or total <= 0:
             return 1.0
-        n = sum(1 for s in sessions if s.workload in learned)
-        factor = expected / held
+        factor = expected / total
         return factor if factor >= 1.0 + self.config.growth_noise_band / math.sqrt(n) else 1.0
 
     def _adapt_alpha(self, view: BackendView, fresh: bool, work_pending: bool,
