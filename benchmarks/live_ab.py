@@ -12,11 +12,16 @@ process group; also on Ctrl-C, SIGTERM and errors):
 - fresh simulated engines, `rollout-broker sim-engine --profile --kv-tokens --time-scale --seed i`,
   one process group each;
 - `router`: `vllm-router --policy cache_aware --worker-urls <engines>` (router defaults
-  otherwise; only its ports and `--log-level warning` are set). This process is the trainer and
-  runs every session itself with `workers.runner.SessionRunner` pointed at the router, as
-  asyncio tasks on one shared `httpx.AsyncClient`, tools and rewards inline
+  otherwise; only its ports and `--log-level warning` are set). The trainer is this process
+  and `--router-trainers` child processes (default: one per engine, as the broker path runs a
+  worker per engine). This process hands each whole group to the child with the fewest
+  sessions in flight; a child runs them with `workers.runner.SessionRunner` pointed at the
+  router, as asyncio tasks on its own `httpx.AsyncClient`, tools and rewards inline
   (`InlineExecutor` on the registry `load_registry()` builds): the turns, tool waits,
-  observation tokens and `sim_output_len` are exactly what a worker would send;
+  observation tokens and `sim_output_len` are exactly what a worker would send. (Until
+  2026-12-02 this process ran every session itself: at 512 in flight it used 0.80–0.95 of a
+  core and the router's engines sat at 31–48% KV, so the router path measured the trainer, not
+  the router: docs/misa-t.md §1c.)
 - `broker:POLICY`: a private Redis, `rollout-broker broker --policy POLICY`, one
   `rollout-broker worker --engine attach:URL --time-scale X` per engine; this process is the
   trainer, a `RolloutClient` that enqueues and reads results.
@@ -59,7 +64,9 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing as mp
 import os
+import queue
 import shutil
 import signal
 import statistics
@@ -119,6 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=60.0, help="first seconds reported apart")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--policies", default="misa_t,least_loaded", help="broker policies, comma-separated")
+    p.add_argument("--router-trainers", type=int, default=None,
+                   help="router path: processes that run its sessions (default: one per engine, "
+                        "as the broker path has a worker per engine)")
     p.add_argument("--json", dest="json_out", default=None, help="write every run's metrics here")
     p.add_argument("--keep-logs", action="store_true", help="keep the processes' logs")
     return p.parse_args(argv)
@@ -147,6 +157,10 @@ def plan(args: argparse.Namespace) -> Plan:
         fail(f"--engines {args.engines}: must be ≥ 1")
     if args.repeats < 1:
         fail(f"--repeats {args.repeats}: must be ≥ 1")
+    if args.router_trainers is None:
+        args.router_trainers = args.engines
+    if args.router_trainers < 1:
+        fail(f"--router-trainers {args.router_trainers}: must be ≥ 1")
     if not (math.isfinite(args.time_scale) and args.time_scale > 0):
         fail(f"--time-scale {args.time_scale:g}: must be > 0")
     if not (math.isfinite(args.duration) and args.duration > 0):
@@ -501,16 +515,24 @@ def probe_router(router_url: str, model: str) -> None:
                     "pass sim_output_len through, so the router path cannot replay true lengths")
 
 
-async def router_trainer(pl: Plan, router_url: str, info: EngineInfo, state: RunState,
-                         procs: Procs, sampler: Sampler) -> None:
+def router_child(index: int, router_url: str, info: EngineInfo, time_scale: float, inbox,
+                 outbox) -> None:
+    """Process `index` of the router path's trainer: runs each session it is handed on the
+    router with `workers.runner.SessionRunner` (tools and rewards inline), and reports each
+    finish as (index, time.monotonic(), workload, ok, output tokens, error); at the end (None
+    in its inbox) it cancels what still runs and reports ("cpu", its CPU seconds)."""
+    asyncio.run(_router_child(index, router_url, info, time_scale, inbox, outbox))
+
+
+async def _router_child(index: int, router_url: str, info: EngineInfo, time_scale: float,
+                        inbox, outbox) -> None:
     from workers.runner import EngineUnavailable, RunnerSettings, SessionRunner
     from workers.tools import InlineExecutor, load_registry
 
-    feeder = Feeder(pl)
-    wake = asyncio.Event()
-    limits = httpx.Limits(max_connections=state.bound + 64,
-                          max_keepalive_connections=state.bound + 64)
-    settings = RunnerSettings(time_scale=pl.args.time_scale)
+    loop = asyncio.get_running_loop()
+    settings = RunnerSettings(time_scale=time_scale)
+    # One connection per session in flight: httpx's pool queues requests beyond its limit.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(settings.request_timeout_s,
                                                                         pool=None)) as http:
         runner = SessionRunner(http, router_url, info.model, info.max_model_len,
@@ -519,47 +541,111 @@ async def router_trainer(pl: Plan, router_url: str, info: EngineInfo, state: Run
 
         async def one(s: Session) -> None:
             try:
-                out = await runner.run(s)
-                r = out.result
-                state.finishes.append(Finish(time.monotonic() - t0, s.workload,
-                                             r.status == SessionState.done, r.output_tokens,
-                                             r.error))
+                r = (await runner.run(s)).result
+                done = (index, time.monotonic(), s.workload, r.status == SessionState.done,
+                        r.output_tokens, r.error)
             except EngineUnavailable as exc:  # a worker would hand it back; we count it failed
-                state.finishes.append(Finish(time.monotonic() - t0, s.workload, False, 0,
-                                             f"unavailable: {exc}"))
+                done = (index, time.monotonic(), s.workload, False, 0, f"unavailable: {exc}")
             except Exception as exc:  # the tool service, or anything else: failed, with why
-                state.finishes.append(Finish(time.monotonic() - t0, s.workload, False, 0,
-                                             f"{type(exc).__name__}: {exc}"))
-            wake.set()
+                done = (index, time.monotonic(), s.workload, False, 0,
+                        f"{type(exc).__name__}: {exc}")
+            outbox.put(done)
 
         tasks: set[asyncio.Task] = set()
-        t0 = sampler.begin()
+        outbox.put(("ready",))
         try:
-            last_check = 0.0
-            while (elapsed := time.monotonic() - t0) < state.duration:
-                for s in feeder.take(state.bound - state.in_flight):
-                    state.started += 1
+            while (batch := await loop.run_in_executor(None, inbox.get)) is not None:
+                for s in batch:
                     t = asyncio.create_task(one(s))
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
-                if elapsed - last_check >= 1.0:
-                    procs.check()
-                    last_check = elapsed
-                state.progress(elapsed)
-                wake.clear()
-                try:
-                    await asyncio.wait_for(wake.wait(), timeout=min(
-                        0.5, max(0.001, state.duration - elapsed)))
-                except TimeoutError:
-                    pass
-            # the end sample is due now: let the sampler take it before anything stops
-            deadline = time.monotonic() + 30.0
-            while sampler.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
         finally:
             for t in list(tasks):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+    outbox.put(("cpu", time.process_time()))
+
+
+def router_trainer(pl: Plan, router_url: str, info: EngineInfo, state: RunState,
+                   procs: Procs, sampler: Sampler) -> float:
+    """The router path's trainer: this process feeds whole groups, under the bound, to
+    `--router-trainers` child processes (each to the one with the fewest sessions in flight),
+    which run them on the router; one Python process with hundreds of sessions in flight
+    saturates its core on this machine, which would cap the router path below what the router
+    and the engines can do. Returns the children's CPU seconds."""
+    ctx = mp.get_context("spawn")
+    outbox = ctx.Queue()
+    inboxes = [ctx.Queue() for _ in range(pl.args.router_trainers)]
+    children = [ctx.Process(target=router_child, daemon=True, name=f"router-trainer-{i}",
+                            args=(i, router_url, info, pl.args.time_scale, q, outbox))
+                for i, q in enumerate(inboxes)]
+    for c in children:
+        c.start()
+    ready, deadline = 0, time.monotonic() + READY_TIMEOUT_S
+    while ready < len(children):
+        try:
+            if outbox.get(timeout=1.0)[0] == "ready":
+                ready += 1
+        except queue.Empty:
+            dead = [c.name for c in children if not c.is_alive()]
+            if dead or time.monotonic() > deadline:
+                raise Fatal(f"router trainers: {', '.join(dead) or 'some'} not ready "
+                            f"({'exited' if dead else f'after {READY_TIMEOUT_S:.0f}s'})") from None
+    feeder = Feeder(pl)
+    loads = [0] * len(children)  # sessions in flight per child
+    cpu = 0.0
+    t0 = sampler.begin()
+    try:
+        last_check = 0.0
+        while (elapsed := time.monotonic() - t0) < state.duration:
+            batch = feeder.take(state.bound - state.in_flight)
+            groups: dict[str, list[Session]] = {}
+            for s in batch:  # whole groups to one child (as the broker admits them together)
+                groups.setdefault(s.group_id or s.session_id, []).append(s)
+            for group in groups.values():
+                i = min(range(len(children)), key=loads.__getitem__)
+                loads[i] += len(group)
+                inboxes[i].put(group)
+                state.started += len(group)
+            try:
+                msg = outbox.get(timeout=min(0.05, max(0.001, state.duration - elapsed)))
+            except queue.Empty:
+                msg = None
+            while msg is not None:
+                i, at, workload, ok, tokens, error = msg
+                loads[i] -= 1
+                state.finishes.append(Finish(at - t0, workload, ok, tokens, error))
+                try:
+                    msg = outbox.get_nowait()
+                except queue.Empty:
+                    msg = None
+            if elapsed - last_check >= 1.0:
+                procs.check()
+                dead = [c.name for c in children if not c.is_alive()]
+                if dead:
+                    raise Fatal(f"router trainer process died: {', '.join(dead)}")
+                last_check = elapsed
+            state.progress(elapsed)
+        # the end sample is due now: let the sampler take it before anything stops
+        sampler.join(30.0)
+    finally:
+        for q in inboxes:
+            q.put(None)
+        deadline = time.monotonic() + STOP_GRACE_S
+        ended = 0
+        while ended < len(children) and time.monotonic() < deadline:
+            try:
+                msg = outbox.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if msg[0] == "cpu":
+                cpu += msg[1]
+                ended += 1
+        for c in children:
+            c.join(timeout=1.0)
+            if c.is_alive():
+                c.kill()
+    return cpu
 
 
 def broker_trainer(pl: Plan, state: RunState, procs: Procs, sampler: Sampler,
@@ -656,8 +742,9 @@ def run_once(pl: Plan, path: str, bound: int, repeat: int, logroot: Path) -> Run
         redis0 = pid_cpu(redis_handle.process.pid) if redis_handle and redis_handle.process else 0.0
         me0 = time.process_time()
         sampler = Sampler(urls, a.warmup, a.duration, router_metrics)
+        children_cpu = 0.0
         if path == "router":
-            asyncio.run(router_trainer(pl, router_url, info, state, procs, sampler))
+            children_cpu = router_trainer(pl, router_url, info, state, procs, sampler)
         else:
             assert client is not None
             broker_trainer(pl, state, procs, sampler, client)
@@ -665,6 +752,8 @@ def run_once(pl: Plan, path: str, bound: int, repeat: int, logroot: Path) -> Run
         wall = time.monotonic() - t0
         cpu1 = cpu_by_group()
         cores: dict[str, float] = {"trainer (this process)": (time.process_time() - me0) / wall}
+        if path == "router":  # (from their start, which is before the clock: an overestimate)
+            cores["router trainers"] = children_cpu / wall
         for name, pgid in groups.items():
             role = procs.roles[name]
             cores[role] = cores.get(role, 0.0) + (cpu1.get(pgid, 0.0) - cpu0.get(pgid, 0.0)) / wall
