@@ -30,6 +30,7 @@ import httpx
 import redis
 
 from broker.client import RolloutClient
+from broker.demo import run_until_interrupted
 from broker.heartbeat import EngineMetrics, SessionProgress
 from broker.keys import Keys
 from broker.redis_server import ensure_redis, free_port
@@ -203,4 +204,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_until_interrupted(main, "api_status"))

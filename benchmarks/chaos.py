@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from broker.client import RolloutClient  # noqa: E402
+from broker.demo import run_until_interrupted  # noqa: E402
 from broker.keys import Keys  # noqa: E402
 from broker.redis_server import RedisHandle, free_port, start_private_redis  # noqa: E402
 from broker.session import Session  # noqa: E402
@@ -508,4 +509,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_until_interrupted(main, "chaos"))

@@ -67,6 +67,7 @@ import yaml
 
 from broker.body import dump_body
 from broker.client import RolloutClient
+from broker.demo import run_until_interrupted
 from broker.heartbeat import EngineMetrics
 from broker.keys import Keys
 from broker.policies import policy_names
@@ -774,4 +775,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_until_interrupted(main, "scale"))

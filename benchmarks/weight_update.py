@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from broker.client import RolloutClient  # noqa: E402
-from broker.demo import Children  # noqa: E402
+from broker.demo import Children, run_until_interrupted  # noqa: E402
 from broker.redis_server import ensure_redis, free_port  # noqa: E402
 from broker.session import Session, SessionState  # noqa: E402
 from workers.engine import parse_metrics, wait_healthy  # noqa: E402
@@ -183,4 +183,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_until_interrupted(main, "weight_update"))

@@ -21,6 +21,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -294,11 +295,26 @@ def _wait_ready(client: RolloutClient, children: Children, backends: list[str],
     raise RuntimeError(f"demo: engines not ready within {timeout_s:.0f}s; logs in {children.logdir}")
 
 
-def _terminate_on_sigterm() -> None:
+def terminate_on_sigterm() -> None:
+    """SIGTERM as Ctrl-C: it raises KeyboardInterrupt, so the `finally` blocks that stop the
+    processes this one started (each in its own process group, which a signal to this one does
+    not reach) and a private Redis run before it exits. Without it SIGTERM ends the process at
+    once and leaves them running (the demo and the benchmarks that start processes call it)."""
     def raise_interrupt(*_: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, raise_interrupt)
+
+
+def run_until_interrupted(main: Callable[[], int], name: str) -> int:
+    """`main()` with SIGTERM taken as Ctrl-C (`terminate_on_sigterm`): an interrupt returns 130
+    once `main`'s `finally` blocks have stopped what it started (the benchmarks' entry point)."""
+    terminate_on_sigterm()
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted; the processes it started are stopped", file=sys.stderr)
+        return 130
 
 
 def check_demo(settings: DemoSettings) -> Scenario:
@@ -330,7 +346,7 @@ def run_demo(settings: DemoSettings, console: Console | None = None,
     console = console or Console()
     scenario = scenario or check_demo(settings)
     kv = settings.kv_tokens or scenario.fleet.kv_tokens
-    _terminate_on_sigterm()
+    terminate_on_sigterm()
     handle: RedisHandle = ensure_redis(settings.redis_url)
     namespace = f"demo-{uuid.uuid4().hex[:8]}"
     keys = Keys(namespace)
