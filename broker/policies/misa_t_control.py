@@ -38,7 +38,7 @@ class AimdParams:
     # Not a limit the loop aims at: a guard against a ratio measured on a backend whose few
     # sessions have barely started (ρ near 0 asks for an unbounded α). It does bind in cold
     # starts, where charges sit at the length caps; a guard of 8 was tried and not kept
-    # (docs/misa-t.md §1g: neutral on a held-out draw, more preemptions under contention).
+    # (docs/misa-t.md §4: neutral on a held-out draw, more preemptions under contention).
     alpha_max: float = 4.0
     usage_ratio_gain: float = 0.3  # EWMA gain of ρ_b per heartbeat (~3 s memory at 1 s)
     min_charged: float = 0.05  # ρ_b is measured only while this fraction of C_b is charged
