@@ -88,7 +88,7 @@ sys.path.insert(0, str(ROOT))
 
 from broker.binaries import find_executable
 from broker.client import RolloutClient
-from broker.demo import with_truth
+from broker.demo import terminate_on_sigterm, with_truth
 from broker.keys import Keys
 from broker.mixture import mixture_drift
 from broker.policies import policy_names
@@ -957,10 +957,7 @@ def main(argv: list[str] | None = None) -> int:
     pl = plan(parse_args(argv))
     a = pl.args
 
-    def interrupt(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
+    terminate_on_sigterm()
     paths = ["router"] + [f"broker:{p}" for p in pl.policies]
     schedule = [(b, rep, path) for b in pl.bounds for rep in range(1, a.repeats + 1)
                 for path in paths]
