@@ -43,7 +43,7 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process parents from /proc")
-def test_sigterm_stops_the_processes_the_benchmark_started(tmp_path: Path) -> None:
+def test_sigterm_stops_the_processes_the_benchmark_started() -> None:
     # A long warm-up: the signal arrives while the fleet runs its first sessions.
     bench = subprocess.Popen(
         [sys.executable, str(ROOT / "benchmarks" / "weight_update.py"), "--workers", "1",
