@@ -41,14 +41,14 @@ def pack_ids(ids: Sequence[int]) -> str | None:
     return base64.b64encode(bytes([width]) + packed).decode("ascii")
 
 
-def unpack_ids(text: str) -> list[int]:
-    """The ids `pack_ids` packed; ValueError when `text` is not such a string."""
+def unpack_ids(text: str, field: str = "prompt_token_ids") -> list[int]:
+    """The ids `pack_ids` packed; ValueError naming `field` when `text` is not such a string."""
     try:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError("prompt_token_ids: not a packed id string (bad base64)") from None
+        raise ValueError(f"{field}: not a packed id string (bad base64)") from None
     if not raw or not 8 <= raw[0] <= 32:
-        raise ValueError("prompt_token_ids: not a packed id string (bad width)")
+        raise ValueError(f"{field}: not a packed id string (bad width)")
     width = raw[0]
     bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8, offset=1), bitorder="little")
     n = bits.size // width

@@ -206,3 +206,102 @@ def test_a_reply_that_cannot_be_pushed_does_not_fail_the_job():
     reply_to_caller(Job(), DownRedis(), {"done": True})  # does not raise
     Job.meta = {}
     reply_to_caller(Job(), None, 1.0)  # enqueued by an older executor: nothing to push to
+
+
+def test_token_ids_travel_packed_and_reach_the_function_as_lists():
+    """RQ stores a job's arguments twice; the token-id fields go packed, both ways."""
+    from workers import tools
+
+    c = call("sim", turn=1).model_dump()
+    c["history_token_ids"] = list(range(0, 200_000, 97))
+    wire = tools.pack_token_fields(c)
+    assert isinstance(wire["history_token_ids"], str) and isinstance(wire["output_token_ids"], str)
+    assert len(tools.json.dumps(wire)) < len(tools.json.dumps(c)) / 2
+    assert tools.unpack_token_fields(wire) == c
+    reward = RewardCall(session_id="s", workload="rlvr", scorer="parity",
+                        output_token_ids=[[2, 4], [], [2**33]], token_ids=[1, 2, 3],
+                        loss_mask=[0, 1, 1]).model_dump()
+    wire = tools.pack_token_fields(reward)
+    assert wire["output_token_ids"][1:] == [[], [2**33]]  # empty, and unpackable, stay lists
+    assert tools.unpack_token_fields(wire) == reward
+    seen = {}
+
+    def spy_tool(d: dict) -> dict:
+        seen.update(d)
+        return {"observation_token_ids": [7, 8, 9], "done": False}
+
+    registry = tools.ToolRegistry(tools={"spy": spy_tool}, rewards={})
+    tools.use_registry(registry)
+    try:
+        out = tools.run_tool(tools.pack_token_fields({**c, "tool": "spy"}))
+        assert seen["history_token_ids"] == c["history_token_ids"]  # plain lists, as sent
+        assert isinstance(out["observation_token_ids"], str)
+        assert tools.unpack_token_fields(out)["observation_token_ids"] == [7, 8, 9]
+        assert tools.run_tool({**c, "tool": "spy"})  # an earlier version's plain job runs too
+    finally:
+        tools.use_registry(tools.load_registry(None))
+    with pytest.raises(ValueError, match="history_token_ids"):
+        tools.unpack_token_fields({"history_token_ids": "not packed!"})
+
+
+def test_a_tool_worker_takes_13_round_trips_a_job(redis_url, namespace, monkeypatch):
+    """RQ's SimpleWorker takes 21 round trips to Redis per job (heartbeats as three single
+    commands, three a job; the state written twice); the tool worker's take 13."""
+    import redis.connection
+
+    from workers.tools import load_registry, run_tool, run_tool_worker
+
+    ex = RqExecutor(redis_url, namespace, timeout_s=10.0)
+    sends = {"n": 0}
+    real = redis.connection.AbstractConnection.send_packed_command
+
+    def counting(self, *args, **kwargs):
+        sends["n"] += 1
+        return real(self, *args, **kwargs)
+
+    def burst(jobs: int) -> int:
+        for _ in range(jobs):
+            ex._enqueue(ex._tools_queue, run_tool, call("sim").model_dump())
+        sends["n"] = 0
+        monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+        try:
+            run_tool_worker(redis_url, load_registry(None), namespace, burst=True)
+        finally:
+            monkeypatch.undo()
+        return sends["n"]
+
+    try:
+        fixed = burst(0)  # start-up, registration, the burst's last empty look, the stop
+        per_job = (burst(40) - fixed) / 40
+    finally:
+        asyncio.run(ex.aclose())
+    assert per_job <= 13.5, per_job
+
+
+def test_purge_leaves_nothing_of_the_namespace_tool_queues(redis_url, namespace, redis_client):
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from workers.tools import load_registry, purge_tool_queues, run_tool, run_tool_worker
+
+    ex = RqExecutor(redis_url, namespace, timeout_s=10.0)
+    other = RqExecutor(redis_url, namespace + "x", timeout_s=10.0)  # must survive the purge
+    try:
+        done = [ex._enqueue(ex._tools_queue, run_tool, call("sim").model_dump())
+                for _ in range(5)]
+        run_tool_worker(redis_url, load_registry(None), namespace, burst=True)  # 5 finished
+        queued = [ex._enqueue(q, run_tool, call("sim").model_dump())
+                  for q in (ex._tools_queue, ex._rewards_queue)]
+        kept = other._enqueue(other._tools_queue, run_tool, call("sim").model_dump())
+        assert redis_client.llen(ex._replies) == 5
+        assert purge_tool_queues(redis_client, namespace) == 7
+        for job_id in done + queued:
+            assert not redis_client.exists(f"rq:job:{job_id}", f"rq:results:{job_id}")
+        left = [k for k in redis_client.scan_iter(match=f"*rb-{namespace}-*", count=1000)]
+        assert left == []
+        q = Queue(other._tools_queue, connection=redis_client, serializer=JSONSerializer)
+        assert q.get_job_ids() == [kept]
+    finally:
+        purge_tool_queues(redis_client, namespace + "x")
+        asyncio.run(ex.aclose())
+        asyncio.run(other.aclose())
