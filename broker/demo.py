@@ -40,6 +40,7 @@ from broker.redis_conn import check_redis_url, connect
 from broker.redis_server import RedisHandle, ensure_redis
 from broker.session import Session, SessionResult, SessionState
 from scenarios import scenario_path
+from workers.tools import purge_tool_queues, tool_queues
 
 if TYPE_CHECKING:
     from sim.scenario import Scenario
@@ -281,18 +282,33 @@ def summary(trainer: Trainer, engines: dict[str, dict | None], elapsed: float) -
 
 # -- orchestration ------------------------------------------------------------------------------
 
+def rq_workers_listening(r: redis.Redis, queue: str) -> int:
+    """RQ workers registered on `queue` (RQ adds a worker to the queue's set when it starts
+    listening and removes it when it stops)."""
+    from rq import Queue, Worker
+
+    return Worker.count(connection=r, queue=Queue(queue, connection=r))
+
+
 def _wait_ready(client: RolloutClient, children: Children, backends: list[str],
-                timeout_s: float) -> None:
+                timeout_s: float, r: redis.Redis | None = None, tool_queue: str | None = None,
+                tool_workers: int = 0) -> None:
+    """Until every engine's worker is healthy and, with `tool_queue`, `tool_workers` RQ tool
+    workers listen on it: the trainer's clock starts on a fleet that is up (16 tool workers
+    starting take about 13 s of CPU, most of a 20 s run's first seconds on 2 cores)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         dead = children.dead()
         if dead:
             raise RuntimeError(f"demo: {dead[0]} exited on start:\n{children.log_tail(dead[0])}")
         healthy = client.status()["backends"]
-        if all(healthy.get(b, {}).get("healthy") for b in backends):
+        if (all(healthy.get(b, {}).get("healthy") for b in backends)
+                and (r is None or tool_queue is None
+                     or rq_workers_listening(r, tool_queue) >= tool_workers)):
             return
         time.sleep(0.2)
-    raise RuntimeError(f"demo: engines not ready within {timeout_s:.0f}s; logs in {children.logdir}")
+    what = "engines and tool workers" if tool_queue else "engines"
+    raise RuntimeError(f"demo: {what} not ready within {timeout_s:.0f}s; logs in {children.logdir}")
 
 
 def terminate_on_sigterm() -> None:
@@ -381,7 +397,9 @@ def run_demo(settings: DemoSettings, console: Console | None = None,
         console.print(f"starting {settings.engines} engines ({scenario.fleet.profile}, "
                       f"{kv or 'profile'} KV tokens, ×{settings.time_scale:g}), policy "
                       f"{settings.policy}, scenario {scenario.name} ...")
-        _wait_ready(client, children, backends, settings.ready_timeout_s)
+        _wait_ready(client, children, backends, settings.ready_timeout_s,
+                    *((r, tool_queues(namespace)[0], settings.tool_workers)
+                      if settings.tools == "rq" else ()))
         started = time.monotonic()
         with Live(console=console, refresh_per_second=4, transient=False) as live:
             while (elapsed := time.monotonic() - started) < settings.duration_s:
@@ -412,6 +430,8 @@ def run_demo(settings: DemoSettings, console: Console | None = None,
         if not handle.owned:  # leave someone else's Redis as we found it
             for key in r.scan_iter(match=f"{keys.prefix}*", count=1000):
                 r.delete(key)
+            if settings.tools == "rq":
+                purge_tool_queues(r, namespace)
         r.close()
         handle.close()
     console.print()

@@ -34,6 +34,32 @@ def test_demo_starts_its_own_redis_and_exits_cleanly():
     assert f"--port {port}" not in left, "the private Redis outlived the demo"
 
 
+@pytest.mark.redis
+def test_the_rq_demo_leaves_no_tool_jobs_in_a_redis_it_does_not_own(redis_url):
+    """On someone else's Redis the demo deletes what it wrote, its RQ queues and jobs too
+    (RQ keeps queued jobs forever: each run used to leave its unfinished calls behind)."""
+    import redis
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="160")
+    p = subprocess.run([sys.executable, "-m", "broker.cli", "demo", "--duration", "6",
+                        "--engines", "2", "--tools", "rq", "--tool-workers", "3",
+                        "--redis-url", redis_url], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=150)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    namespace = re.search(r"namespace (demo-[0-9a-f]+)", out).group(1)
+    done = re.search(r"│\s*all\s*│\s*(\d+)\s*│\s*(\d+)", out)
+    assert done and int(done.group(1)) > 0 and int(done.group(2)) == 0, out[-3000:]
+    r = redis.Redis.from_url(redis_url)
+    try:
+        left = [k for k in r.scan_iter(match=f"*{namespace}*", count=1000)]
+        jobs = [k for k in r.scan_iter(match="rq:job:*", count=1000)
+                if namespace in (r.hget(k, "origin") or b"").decode()]
+    finally:
+        r.close()
+    assert left == [] and jobs == []
+
+
 def test_the_demo_trainer_keeps_a_group_that_does_not_fit_yet():
     """A drawn group that would exceed the in-flight bound is enqueued later, never dropped:
     every group the trainer draws reaches the broker, in order."""
