@@ -80,8 +80,11 @@ OUTAGE_ERRORS: tuple[type[Exception], ...] = (
 )
 # Replies (plain script or command errors) that mean the same: a write refused for memory
 # inside a script; too few replicas for `min-replicas-to-write`; a write inside a script
-# refused by a replica; a blocked read cut off because its primary became a replica.
-OUTAGE_REPLIES = ("OOM command not allowed", "NOREPLICAS", "READONLY", "UNBLOCKED")
+# refused by a replica; a blocked read cut off because its primary became a replica; a
+# durable write's WAIT reaching a primary demoted to a replica after the writes before it.
+WAIT_ON_REPLICA = "WAIT cannot be used with replica instances"
+OUTAGE_REPLIES = ("OOM command not allowed", "NOREPLICAS", "READONLY", "UNBLOCKED",
+                  WAIT_ON_REPLICA)
 
 
 class NotReplicatedError(redis.ConnectionError):
@@ -261,8 +264,16 @@ class _SentinelConnection(redis.sentinel.SentinelManagedConnection):
     worker stopped with SIGTERM hung on its last write behind its pending BLPOP."""
 
     def read_response(self, disable_decoding=False, *, disconnect_on_error=True, **kwargs):
-        return super().read_response(disable_decoding, disconnect_on_error=disconnect_on_error,
-                                     **kwargs)
+        try:
+            return super().read_response(disable_decoding,
+                                         disconnect_on_error=disconnect_on_error, **kwargs)
+        except redis.ResponseError as exc:
+            # The primary was demoted between a durable write and its WAIT: as redis-py does
+            # for READONLY, drop the connection so the next one asks the sentinels again.
+            if WAIT_ON_REPLICA in str(exc) and self.connection_pool.is_master:
+                self.disconnect()
+                raise redis.ConnectionError("the primary is now a replica (WAIT refused)") from exc
+            raise
 
 
 def _sentinel_options(target: RedisTarget, opts: dict, retry: Retry | AsyncRetry) -> dict:

@@ -160,5 +160,37 @@ def test_failover_errors_count_as_outages():
                                     "@user_script: 9: -READONLY You can't write against a "
                                     "read only replica."),
                 redis.ResponseError("UNBLOCKED force unblock from blocking operation, "
-                                    "instance state changed (master -> replica?)")):
+                                    "instance state changed (master -> replica?)"),
+                redis.ResponseError("Command # 708 (WAIT 1 1000) of pipeline caused error: WAIT "
+                                    "cannot be used with replica instances. Please also note "
+                                    "that since Redis 4.0 ...")):
         assert is_outage(exc), exc
+
+
+def test_a_wait_refused_by_a_demoted_primary_drops_the_sentinel_connection(monkeypatch):
+    """Writes, then the failover, then the batch's WAIT: the connection is closed and the
+    error is a ConnectionError, so redis-py's retry asks the sentinels for the new primary."""
+    import redis.sentinel
+
+    from broker.redis_conn import _SentinelConnection
+
+    class Pool:
+        is_master = True
+
+    refused = redis.ResponseError("Command # 3 (WAIT 1 1000) of pipeline caused error: WAIT "
+                                  "cannot be used with replica instances.")
+
+    def replica_reply(self, *args, **kwargs):
+        raise refused
+
+    monkeypatch.setattr(redis.sentinel.SentinelManagedConnection, "read_response", replica_reply)
+    conn = _SentinelConnection(connection_pool=Pool())
+    dropped = []
+    monkeypatch.setattr(conn, "disconnect", lambda *a, **k: dropped.append(True))
+    with pytest.raises(redis.ConnectionError, match="now a replica"):
+        conn.read_response()
+    assert dropped == [True]
+    refused = redis.ResponseError("WRONGTYPE Operation against a key")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        conn.read_response()
+    assert dropped == [True]
