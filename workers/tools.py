@@ -27,7 +27,8 @@ loaded at start, from
 Executors:
 - `InlineExecutor` runs the function on a thread of the worker (tests, the demo). A timeout
   abandons the call (a Python thread cannot be killed), so the session fails on time.
-- `RqExecutor` enqueues on RQ queues `tools` and `rewards` with RQ's job timeout (the work horse
+- `RqExecutor` enqueues on the namespace's RQ queues (`tool_queues`: `rb-<ns>-tools`,
+  `rb-<ns>-rewards`; token ids packed, `pack_token_fields`) with RQ's job timeout (the work horse
   is killed), `Retry(max=retries)`, and its failed-job registry keeping what failed for
   `failure_ttl`. CPU tool workers: `rollout-broker tools --redis-url URL`; the registry that
   counts is theirs. A job's success callback pushes its result onto the executor's reply list
@@ -533,8 +534,8 @@ class RqExecutor:
         from rq import Callback, Retry
 
         job = self._queues[queue].enqueue_call(
-            fn, args=(pack_token_fields(payload),), timeout=max(1, math.ceil(self.timeout_s)), result_ttl=300,
-            failure_ttl=self.failure_ttl_s, meta={"reply_to": self._replies},
+            fn, args=(pack_token_fields(payload),), timeout=max(1, math.ceil(self.timeout_s)),
+            result_ttl=300, failure_ttl=self.failure_ttl_s, meta={"reply_to": self._replies},
             on_success=Callback(reply_to_caller),
             retry=Retry(max=self.retries) if self.retries > 0 else None)
         return job.id
@@ -701,7 +702,7 @@ def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "de
         # would do; 21 round trips a job in all. These two send each beat as one pipeline,
         # skip a beat that repeats one sent under a second ago (asking no longer expiry, no
         # transaction beat in between), and skip rewriting an unchanged state: 13 round trips.
-        _last_beat: tuple[float, int] | None = None  # (monotonic, expiry asked), outside pipelines
+        _last_beat: tuple[float, int] | None = None  # outside pipelines: (monotonic, expiry)
         _state_written: str | None = None  # the state last written outside a pipeline
 
         def heartbeat(self, timeout=None, pipeline=None):
