@@ -126,8 +126,9 @@ def test_a_session_cancelled_while_admitted_is_forgotten_by_the_broker(redis_url
     client = RolloutClient(redis_url, namespace)
     try:
         client.enqueue([make_session(1)])
-        meta = broker.service._meta
-        assert wait_until(lambda: "s1" in meta, timeout=10)
+        # Read it each time: the broker replaces the dict when it takes the lease, which
+        # may come after this line (a reference taken here missed the admission in a CI run).
+        assert wait_until(lambda: "s1" in broker.service._meta, timeout=10)
         assert client.cancel("s1") == "cancelled"
         link.heartbeat(beat)  # any event: the broker looks again
         assert wait_until(lambda: "s1" not in broker.service._meta, timeout=10)
