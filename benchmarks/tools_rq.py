@@ -48,7 +48,7 @@ def parse_summary(text: str) -> dict[str, float]:
             "failed": failed, "output_tokens": tokens, "tokens_per_s": tok_s}
 
 
-def run_demo(tools: str, duration: float, tool_workers: int) -> dict[str, float]:
+def one_demo(tools: str, duration: float, tool_workers: int) -> dict[str, float]:
     cmd = [sys.executable, "-m", "broker.cli", "demo", "--duration", repr(duration),
            "--tools", tools, "--tool-workers", str(tool_workers)]
     env = {**os.environ, "COLUMNS": "200"}  # the summary table's numbers unabridged
@@ -83,7 +83,7 @@ def main() -> int:
         order = ("inline", "rq") if pair % 2 == 0 else ("rq", "inline")
         got = {}
         for tools in order:
-            got[tools] = run_demo(tools, a.duration, a.tool_workers)
+            got[tools] = one_demo(tools, a.duration, a.tool_workers)
             runs.append({"pair": pair, **got[tools]})
             r = got[tools]
             print(f"pair {pair + 1}/{a.pairs} {tools:>6}: {r['done']:>5,} done, {r['failed']} "

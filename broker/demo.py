@@ -291,11 +291,10 @@ def rq_workers_listening(r: redis.Redis, queue: str) -> int:
 
 
 def _wait_ready(client: RolloutClient, children: Children, backends: list[str],
-                timeout_s: float, r: redis.Redis | None = None, tool_queue: str | None = None,
-                tool_workers: int = 0) -> None:
-    """Until every engine's worker is healthy and, with `tool_queue`, `tool_workers` RQ tool
-    workers listen on it: the trainer's clock starts on a fleet that is up (16 tool workers
-    starting take about 13 s of CPU, most of a 20 s run's first seconds on 2 cores)."""
+                timeout_s: float, tools_ready: Callable[[], bool] | None = None) -> None:
+    """Until every engine's worker is healthy and `tools_ready()` (the RQ tool workers all
+    listen): the trainer's clock starts on a fleet that is up (16 tool workers starting take
+    about 13 s of CPU, most of a 20 s run's first seconds on 2 cores)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         dead = children.dead()
@@ -303,11 +302,10 @@ def _wait_ready(client: RolloutClient, children: Children, backends: list[str],
             raise RuntimeError(f"demo: {dead[0]} exited on start:\n{children.log_tail(dead[0])}")
         healthy = client.status()["backends"]
         if (all(healthy.get(b, {}).get("healthy") for b in backends)
-                and (r is None or tool_queue is None
-                     or rq_workers_listening(r, tool_queue) >= tool_workers)):
+                and (tools_ready is None or tools_ready())):
             return
         time.sleep(0.2)
-    what = "engines and tool workers" if tool_queue else "engines"
+    what = "engines and tool workers" if tools_ready else "engines"
     raise RuntimeError(f"demo: {what} not ready within {timeout_s:.0f}s; logs in {children.logdir}")
 
 
@@ -397,9 +395,13 @@ def run_demo(settings: DemoSettings, console: Console | None = None,
         console.print(f"starting {settings.engines} engines ({scenario.fleet.profile}, "
                       f"{kv or 'profile'} KV tokens, ×{settings.time_scale:g}), policy "
                       f"{settings.policy}, scenario {scenario.name} ...")
+        tool_queue = tool_queues(namespace)[0]
+
+        def tools_ready() -> bool:
+            return rq_workers_listening(r, tool_queue) >= settings.tool_workers
+
         _wait_ready(client, children, backends, settings.ready_timeout_s,
-                    *((r, tool_queues(namespace)[0], settings.tool_workers)
-                      if settings.tools == "rq" else ()))
+                    tools_ready if settings.tools == "rq" else None)
         started = time.monotonic()
         with Live(console=console, refresh_per_second=4, transient=False) as live:
             while (elapsed := time.monotonic() - started) < settings.duration_s:

@@ -93,8 +93,9 @@ def purge_tool_queues(r: redis.Redis, namespace: str, batch: int = 500) -> int:
     from rq.job import Job
     from rq.serializers import JSONSerializer
 
+    queues = tool_queues(namespace)
     deleted = 0
-    for name in tool_queues(namespace):
+    for name in queues:
         q = Queue(name, connection=r, serializer=JSONSerializer)
         registries = [q.started_job_registry, q.finished_job_registry, q.failed_job_registry,
                       q.deferred_job_registry, q.scheduled_job_registry,
@@ -107,13 +108,13 @@ def purge_tool_queues(r: redis.Redis, namespace: str, batch: int = 500) -> int:
             jobs = [j for j in Job.fetch_many(ordered[i:i + batch], connection=r,
                                               serializer=JSONSerializer) if j is not None]
             with r.pipeline(transaction=False) as pipe:
-                for job in jobs:
-                    job.delete(pipeline=pipe)
+                for job in jobs:  # the queue goes whole below: no LREM per queued job
+                    job.delete(pipeline=pipe, remove_from_queue=False)
                 pipe.execute()
             deleted += len(jobs)
-        q.delete(delete_jobs=True)
+        q.delete(delete_jobs=False)
         r.delete(*(registry.key for registry in registries))
-    replies = list(r.scan_iter(match=f"{tool_queues(namespace)[0]}-replies-*", count=1000))
+    replies = list(r.scan_iter(match=f"{queues[0]}-replies-*", count=1000))
     if replies:
         r.delete(*replies)
     return deleted

@@ -210,13 +210,15 @@ def test_a_reply_that_cannot_be_pushed_does_not_fail_the_job():
 
 def test_token_ids_travel_packed_and_reach_the_function_as_lists():
     """RQ stores a job's arguments twice; the token-id fields go packed, both ways."""
+    import json
+
     from workers import tools
 
     c = call("sim", turn=1).model_dump()
     c["history_token_ids"] = list(range(0, 200_000, 97))
     wire = tools.pack_token_fields(c)
     assert isinstance(wire["history_token_ids"], str) and isinstance(wire["output_token_ids"], str)
-    assert len(tools.json.dumps(wire)) < len(tools.json.dumps(c)) / 2
+    assert len(json.dumps(wire)) < len(json.dumps(c)) / 2
     assert tools.unpack_token_fields(wire) == c
     reward = RewardCall(session_id="s", workload="rlvr", scorer="parity",
                         output_token_ids=[[2, 4], [], [2**33]], token_ids=[1, 2, 3],
