@@ -38,6 +38,8 @@ while others run (misa_t_control.CompletionPacer).
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -61,6 +63,11 @@ from broker.policies.misa_t_control import AimdParams, CompletionPacer, admissib
 from broker.policies.misa_t_predictors import PredictorParams, WorkloadModel
 from broker.policies.misa_t_placement import BackendState, Hits, Placement, Pool
 from broker.policies.misa_t_prefix import PrefixIndex, PrefixKey, prefix_key
+
+
+_RUNNING = operator.attrgetter("running")
+_LIMIT = operator.attrgetter("limit")
+_TURN = operator.attrgetter("turn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +185,14 @@ class MisaT(Policy):
         self._max_len = 1 << 30  # smallest max_model_len seen: no context exceeds it
         self._keys: dict[str, PrefixKey] = {}  # prefix keys of pending items, by session (or group)
         self._now = 0.0  # within one decide(): the snapshot's time
+        # The last call's views and each backend's state there, in fleet order, the healthy
+        # ones' states, and the backends the next call must account again whatever their view
+        # (`_account`).
+        self._views: Sequence[BackendView] | None = None
+        self._position: dict[str, int] = {}
+        self._states: list[BackendState] = []
+        self._out: list[BackendState] = []
+        self._redo: set[str] = set()
 
     # -- predictions (misa_t-true-lengths overrides these two) ------------------------------------
     def admission_output(self, s: PendingItem | ResidentSession) -> float:
@@ -229,57 +244,45 @@ class MisaT(Policy):
     # -- accounting and α ----------------------------------------------------------------
     def _account(self, snapshot: Snapshot, decision: Decision) -> tuple[Placement, dict[str, float]]:
         """Re-charge, adapt α; return the placement over the healthy backends (in fleet order)
-        and the KV charged per workload."""
+        and the KV charged per workload.
+
+        Only the backends that can have moved are visited: those whose view is not the very
+        object of the last call, and those the last call left something to redo on (placed on,
+        re-charged, an α the ledger does not show yet). Every other backend's accounting, α and
+        state are what that call left, so a call costs little per backend where nothing
+        happened, and a fleet of hundreds is not walked on every call."""
+        views = snapshot.backends
+        todo = self._moved_positions(views)
+        self._redo.clear()
         work_pending = any(snapshot.pending.values())
-        out: list[BackendState] = []
         moved: list[BackendState] = []  # states whose values changed since the last call
-        running = 0
-        limit_total = 0.0
-        for view in snapshot.backends:
-            b = view.backend_id
-            booked = self._booked.get(b)
-            if booked is not None and booked.state.view is view and booked.sessions is view.sessions:
-                # The very view of the last call (so no fresh heartbeat) with its sums kept.
-                fresh = False
-            else:
-                hb = view.telemetry
-                last = self._last_hb.get(b)
-                fresh = hb is not None and (last is None or hb.at > last.at)
-            if (not fresh and booked is not None and booked.sessions is view.sessions
-                    and booked.capacity_tokens == view.capacity_tokens
-                    and booked.max_model_len == view.max_model_len):
-                # Nothing moved here since the last call: the same sums, α and prefix horizon.
-                alpha = self.alpha[b]
-                state = booked.state
-                state.view = view
-                if state.reserved != booked.reserved or state.running != booked.in_flight:
-                    state.reserved, state.running = booked.reserved, booked.in_flight  # placed on
-                    moved.append(state)
-            else:
-                self.prefix.sync_backend(b, view.capacity_tokens)
-                self._max_len = min(self._max_len, view.max_model_len)
-                booked = self._charge_residents(view, snapshot.now, fresh, decision)
-                alpha = self._adapt_alpha(view, fresh, work_pending, booked.reserved,
-                                          booked.growth, snapshot.now)
-                state = booked.state
-                state.limit = alpha * view.capacity_tokens
-                moved.append(state)
-            if abs(view.alpha - alpha) > 1e-9:
-                decision.alpha[b] = alpha
-            if view.healthy:
-                out.append(state)
-                running += state.running
-                limit_total += state.limit
-        if len(self._booked) > len(snapshot.backends):  # some backend left the fleet
-            present = {view.backend_id for view in snapshot.backends}
-            for b in [b for b in self._booked if b not in present]:
-                self._book(b, None)
-                self.prefix.drop_backend(b)
-                self._last_hb.pop(b, None)
-                self._usage_ratio.pop(b, None)
-        self._running = running
+        if todo is None:  # the first call, or backends joined, left or were reordered
+            states = self._states = [self._account_backend(view, work_pending, snapshot.now,
+                                                            moved, decision) for view in views]
+            self._position = {view.backend_id: i for i, view in enumerate(views)}
+            if len(self._booked) > len(views):  # some backend left the fleet
+                for b in [b for b in self._booked if b not in self._position]:
+                    self._book(b, None)
+                    self.prefix.drop_backend(b)
+                    self._last_hb.pop(b, None)
+                    self._usage_ratio.pop(b, None)
+            self._out = [s for s, view in zip(states, views) if view.healthy]
+        else:
+            states, last, out_changed = self._states, self._views, False
+            for i in todo:
+                view = views[i]
+                state = self._account_backend(view, work_pending, snapshot.now, moved, decision)
+                if state is not states[i] or view.healthy != last[i].healthy:
+                    states[i] = state
+                    out_changed = True
+            if out_changed:
+                self._out = [s for s, view in zip(states, views) if view.healthy]
+        self._views = views
+        out = self._out
+        # (sums in fleet order, one by one: the same floats whichever backends were visited)
+        self._running = functools.reduce(operator.add, map(_RUNNING, out), 0)
+        self._limit_total = functools.reduce(operator.add, map(_LIMIT, out), 0.0)
         self._healthy = max(1, len(out))
-        self._limit_total = limit_total
         placement = self._placement
         # The same state objects in the same order (by identity: a backend that left and came
         # back has a new state, which may compare equal to its old one).
@@ -289,6 +292,59 @@ class MisaT(Policy):
         else:
             placement = self._placement = Placement(out, self.config.locality_slack)
         return placement, dict(self._used)
+
+    def _moved_positions(self, views: Sequence[BackendView]) -> list[int] | None:
+        """The positions of `views` to account again (see `_account`), in fleet order; None
+        when the fleet is not the last call's backends in the same order."""
+        last = self._views
+        if last is None or len(last) != len(views):
+            return None
+        todo = {self._position[b] for b in self._redo}
+        if views is not last:
+            for i in itertools.compress(range(len(views)), map(operator.is_not, views, last)):
+                if views[i].backend_id != last[i].backend_id:
+                    return None
+                todo.add(i)
+        return sorted(todo)
+
+    def _account_backend(self, view: BackendView, work_pending: bool, now: float,
+                         moved: list[BackendState], decision: Decision) -> BackendState:
+        """One backend's part of `_account`: its charges and α brought up to date, its state
+        returned (appended to `moved` where its values changed)."""
+        b = view.backend_id
+        booked = self._booked.get(b)
+        if booked is not None and booked.state.view is view and booked.sessions is view.sessions:
+            # The very view of the last call (so no fresh heartbeat) with its sums kept.
+            fresh = False
+        else:
+            hb = view.telemetry
+            last = self._last_hb.get(b)
+            fresh = hb is not None and (last is None or hb.at > last.at)
+        if (not fresh and booked is not None and booked.sessions is view.sessions
+                and booked.capacity_tokens == view.capacity_tokens
+                and booked.max_model_len == view.max_model_len):
+            # Nothing moved here since the last call: the same sums, α and prefix horizon.
+            alpha = self.alpha[b]
+            state = booked.state
+            state.view = view
+            if state.reserved != booked.reserved or state.running != booked.in_flight:
+                state.reserved, state.running = booked.reserved, booked.in_flight  # placed on
+                moved.append(state)
+        else:
+            self.prefix.sync_backend(b, view.capacity_tokens)
+            self._max_len = min(self._max_len, view.max_model_len)
+            booked = self._charge_residents(view, now, fresh, decision)
+            alpha = self._adapt_alpha(view, fresh, work_pending, booked.reserved,
+                                      booked.growth, now)
+            state = booked.state
+            state.limit = alpha * view.capacity_tokens
+            moved.append(state)
+        if abs(view.alpha - alpha) > 1e-9:
+            decision.alpha[b] = alpha
+            self._redo.add(b)  # said again while the ledger's α differs
+        if booked.sessions is None:
+            self._redo.add(b)  # re-charged: the sums are redone from the next view
+        return state
 
     def _book(self, backend_id: str, booked: _Booked | None) -> None:
         """Make `booked` the backend's accounting (None: forget it), keeping `_used` its sum."""
@@ -518,7 +574,7 @@ class MisaT(Policy):
         fresh: dict[str, Sequence[PendingItem]] = {}
         by_id: dict[str, BackendState] | None = None
         for w, items in snapshot.pending.items():
-            if any([item.turn for item in items]):  # (a list: twice as fast as a generator)
+            if any(map(_TURN, items)):
                 # Follow-up turns (router mode) go home first, whatever the limits say: their
                 # history is cached there.
                 if by_id is None:
@@ -577,9 +633,9 @@ class MisaT(Policy):
                     # to smaller sessions of other workloads, which would starve it for good
                     # (EASY backfilling's reservation for the queue head). Elsewhere lending
                     # goes on.
-                    candidates = [b for b in pool.members if b.limit >= need]
-                    if candidates:
-                        held[w] = max(candidates, key=lambda b: b.headroom)
+                    keep = placement.most_room(pool, need)
+                    if keep is not None:
+                        held[w] = keep
                         pools.clear()
                 continue
             used[w] = used.get(w, 0.0) + charged
@@ -693,6 +749,7 @@ class MisaT(Policy):
         target.reserved += charge
         target.running += 1
         self._running += 1
+        self._redo.add(b)
         decision.admissions.append(Admission(item.session_id, b, int(charge)))
         if item.turn == 0:  # each session's prompt counts once, when it is placed
             self.models[item.workload].note_prompt(item.prompt_tokens)

@@ -83,12 +83,12 @@ class Placement:
         if use_arrays:
             self._index = {b.view.backend_id: i for i, b in enumerate(self.backends)}
             self._position = {id(b): i for i, b in enumerate(self.backends)}
-            limit = np.array([b.limit for b in self.backends], dtype=np.float64)
+            self._limit = np.array([b.limit for b in self.backends], dtype=np.float64)
             self._reserved = np.array([b.reserved for b in self.backends], dtype=np.float64)
             self._capacity = np.array([b.view.capacity_tokens for b in self.backends],
                                       dtype=np.float64)
             self._util = self._reserved / self._capacity
-            self._room = limit - self._reserved
+            self._room = self._limit - self._reserved
             self._running = np.array([b.running for b in self.backends], dtype=np.int64)
             n = len(self.backends)  # scratch masks, reused by every choice of the call
             self._fits, self._near, self._candidate = (np.empty(n, dtype=bool) for _ in range(3))
@@ -111,6 +111,7 @@ class Placement:
             i = self._position[id(b)]
             self._reserved[i] = b.reserved
             self._util[i] = b.reserved / self._capacity[i]
+            self._limit[i] = b.limit
             self._room[i] = b.limit - b.reserved
             self._running[i] = b.running
 
@@ -147,6 +148,22 @@ class Placement:
         if self._arrays:
             return bool(self._fitting(pool, charge).any())
         return any(b.limit - b.reserved >= charge for b in pool.members)
+
+    def most_room(self, pool: Pool, charge: float) -> BackendState | None:
+        """The backend of `pool` with the most headroom among those whose limit is at least
+        `charge` (the first in fleet order of equals); None when no limit is that large."""
+        if not self._arrays:
+            best, room = None, -math.inf
+            for b in pool.members:
+                if b.limit >= charge and b.limit - b.reserved > room:
+                    best, room = b, b.limit - b.reserved
+            return best
+        big = np.greater_equal(self._limit, charge, out=self._fits)
+        if pool.mask is not None:
+            big &= pool.mask
+        if not big.any():
+            return None
+        return self.backends[int(np.where(big, self._room, -np.inf).argmax())]
 
     def _fitting(self, pool: Pool, charge: float) -> np.ndarray:
         """The mask of the pool's backends with room for `charge` (in the scratch `_fits`)."""

@@ -31,7 +31,7 @@ class TailWindow:
     Invariant: `sorted` holds exactly the values of `recent` (a multiset), in order.
     """
 
-    __slots__ = ("size", "min_samples", "prior", "recent", "sorted", "_tail_sums")
+    __slots__ = ("size", "min_samples", "prior", "recent", "sorted", "_tail_sums", "_mean")
 
     def __init__(self, size: int, min_samples: int, prior: float) -> None:
         self.size = size
@@ -41,6 +41,7 @@ class TailWindow:
         self.sorted: list[float] = []
         # sum(sorted[i:]) by i, for the window as it is (a decide() asks the same few many times)
         self._tail_sums: dict[int, float] = {}
+        self._mean: float | None = None  # mean() of the window as it is
 
     @property
     def warm(self) -> bool:
@@ -48,6 +49,7 @@ class TailWindow:
 
     def add(self, value: float) -> None:
         self._tail_sums.clear()
+        self._mean = None
         self.recent.append(value)
         insort(self.sorted, value)
         if len(self.recent) > self.size:
@@ -113,7 +115,9 @@ class TailWindow:
     def mean(self) -> float:
         if not self.warm:
             return self.prior
-        return sum(self.recent) / len(self.recent)
+        if self._mean is None:  # (asked on every decide(), changed only by a completion)
+            self._mean = sum(self.recent) / len(self.recent)
+        return self._mean
 
 
 class RatioWindow:

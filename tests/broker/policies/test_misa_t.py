@@ -615,6 +615,19 @@ def test_tail_window_is_a_sliding_sorted_multiset() -> None:
     assert w.tail_quantile(0, 0.9) == 8
 
 
+def test_tail_window_mean_follows_the_window_between_questions() -> None:
+    """mean() is kept between adds (a decide() asks it for every workload); each add renews it."""
+    w = TailWindow(size=3, min_samples=2, prior=99.0)
+    w.add(4)
+    assert w.mean() == 99.0  # cold: the prior
+    w.add(8)
+    assert w.mean() == 6.0
+    w.add(0)
+    assert w.mean() == 4.0
+    w.add(12)  # 4 slides out
+    assert w.mean() == pytest.approx(20 / 3)
+
+
 # -- no hidden fields ------------------------------------------------------------------------
 
 def test_no_policy_module_can_reach_the_simulators_truth() -> None:

@@ -50,6 +50,10 @@ def test_loops_and_arrays_choose_the_same_backend_through_a_call(seed):
         b, hit_b = arrays.choose(pool_a, charge, hits_a, run_slack)
         assert (a.view.backend_id if a else None, hit_a) == (b.view.backend_id if b else None, hit_b)
         assert loops.fits(pool_l, charge) is arrays.fits(pool_a, charge) is (a is not None)
+        kept_l, kept_a = loops.most_room(pool_l, charge), arrays.most_room(pool_a, charge)
+        assert (kept_l and kept_l.view.backend_id) == (kept_a and kept_a.view.backend_id)
+        big = [s for s in fleets if s in pool_l.members and s.limit >= charge]
+        assert kept_l is (max(big, key=lambda s: s.headroom) if big else None)
         if a is None:
             continue
         chosen += 1
