@@ -266,7 +266,7 @@ class MisaT(Policy):
                     self.prefix.drop_backend(b)
                     self._last_hb.pop(b, None)
                     self._usage_ratio.pop(b, None)
-            self._out = [s for s, view in zip(states, views) if view.healthy]
+            out_changed = True
         else:
             states, last, out_changed = self._states, self._views, False
             for i in todo:
@@ -275,8 +275,8 @@ class MisaT(Policy):
                 if state is not states[i] or view.healthy != last[i].healthy:
                     states[i] = state
                     out_changed = True
-            if out_changed:
-                self._out = [s for s, view in zip(states, views) if view.healthy]
+        if out_changed:
+            self._out = [s for s, view in zip(states, views) if view.healthy]
         self._views = views
         out = self._out
         # (sums in fleet order, one by one: the same floats whichever backends were visited)

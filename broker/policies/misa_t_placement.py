@@ -106,7 +106,7 @@ class Placement:
         return Pool(members, mask)
 
     def placed(self, b: BackendState) -> None:
-        """`b`'s reservation and running count changed (a placement on it)."""
+        """`b`'s reservation and running count changed (a placement on it), or its limit."""
         if self._arrays:
             i = self._position[id(b)]
             self._reserved[i] = b.reserved
