@@ -51,3 +51,18 @@ def test_scale_quick_reports_every_figure(tmp_path: Path) -> None:
     assert not bad, bad
     # /v1/status saw the big namespace (less what the broker admitted before it was read).
     assert figures["million.status_depth"] > report["config"]["million"] / 2
+
+
+def test_the_drain_window_holds_the_calls_that_admitted_it_however_few():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from scale import drain_calls
+
+    # (start, seconds, admitted): a drain of 3,000 taken in two calls, both starting before the
+    # 10 % mark on the clock, then steady calls.
+    calls = [(0.0, 0.1, 2_400), (0.1, 0.05, 600), (5.0, 0.01, 3), (6.0, 0.01, 0)]
+    assert drain_calls(calls, 300, 2_700) == calls[:2]
+    # Calls wholly before 10 % or after 90 % are not the window's; those that admit none inside
+    # it are.
+    calls = [(0.0, 0.1, 100), (0.1, 0.1, 400), (0.2, 0.1, 0), (0.3, 0.1, 400), (0.4, 0.1, 100),
+             (0.5, 0.1, 5)]
+    assert drain_calls(calls, 100, 900) == calls[1:4]
