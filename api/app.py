@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -29,6 +29,7 @@ log = logging.getLogger("rollout_broker.api")
 
 CHART_WINDOW_S = 300.0  # the dashboard's charts span this much (api/static/app.js WINDOW_S)
 CHART_SAMPLE_S = 2.0  # how often the API samples them when no page is polling
+SHUTDOWN_STEP_S = 5.0  # the longest one step of the API's shutdown may take
 
 
 async def _sample_charts(reader: StatusReader) -> None:
@@ -40,6 +41,15 @@ async def _sample_charts(reader: StatusReader) -> None:
         except Exception:  # an outage: the status endpoints report it; this waits
             log.debug("chart sample failed", exc_info=True)
         await asyncio.sleep(CHART_SAMPLE_S)
+
+
+async def _bounded(step: Awaitable, what: str) -> None:
+    """A shutdown step that cannot hold the process: past SHUTDOWN_STEP_S it is left behind
+    (logged), so SIGTERM always ends the API."""
+    try:
+        await asyncio.wait_for(step, SHUTDOWN_STEP_S)
+    except TimeoutError:
+        log.warning("shutdown: %s took over %gs; left behind", what, SHUTDOWN_STEP_S)
 
 
 def create_app(settings: ApiSettings | None = None) -> FastAPI:
@@ -58,8 +68,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             yield
         finally:
             sampler.cancel()
-            await asyncio.gather(sampler, return_exceptions=True)
-            await app.state.redis.aclose()
+            await _bounded(asyncio.gather(sampler, return_exceptions=True), "the chart sampler")
+            await _bounded(app.state.redis.aclose(), "closing the Redis client")
             if app.state.rollout_client is not None:
                 app.state.rollout_client.close()
                 app.state.rollout_client = None

@@ -55,3 +55,26 @@ def test_redis_down_is_a_json_503_on_every_endpoint():
             r = client.get(path)
             assert r.status_code == 503, path
             assert r.json()["field"] is None and r.json()["reason"].startswith("redis:"), path
+
+
+@pytest.mark.redis
+def test_shutdown_ends_even_when_a_step_of_it_hangs(settings, monkeypatch, caplog):
+    """SIGTERM must end the API: a Redis client whose close never returns is left behind after
+    SHUTDOWN_STEP_S, logged, and the rest of the shutdown still runs."""
+    import asyncio
+    import time
+
+    import api.app
+
+    monkeypatch.setattr(api.app, "SHUTDOWN_STEP_S", 0.3)
+
+    async def never() -> None:
+        await asyncio.Event().wait()
+
+    client = TestClient(create_app(settings))
+    with client:
+        assert client.get("/healthz").status_code == 200
+        client.app.state.redis.aclose = never
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 5
+    assert "closing the Redis client took over 0.3s" in caplog.text
