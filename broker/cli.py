@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Annotated, Optional
 
 import typer
@@ -14,6 +16,16 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+
+
+def command(name: str) -> Callable[[Callable], Callable]:
+    """`app.command(name)`, its first docstring paragraph flowed onto one line: typer 0.29 keeps
+    a docstring's line breaks, which cut the command list's one-line summaries mid-sentence."""
+    def register(fn: Callable) -> Callable:
+        head, _, rest = inspect.cleandoc(fn.__doc__ or "").partition("\n\n")
+        return app.command(name, help=" ".join(head.split()) + ("\n\n" + rest if rest else ""))(fn)
+
+    return register
 
 
 def _usage_error(command: str, exc: Exception) -> typer.Exit:
@@ -51,7 +63,7 @@ def main(
     """Serve mixed LLM RL rollouts (RLVR, RLHF, agentic) on a vLLM fleet with MISA-T admission."""
 
 
-@app.command("list")
+@command("list")
 def list_names(
     what: Annotated[str, typer.Argument(help="policies | profiles")],
 ) -> None:
@@ -76,7 +88,7 @@ def list_names(
         raise _usage_error("list", ValueError(f"what: {what!r} must be 'policies' or 'profiles'"))
 
 
-@app.command("sim-engine")
+@command("sim-engine")
 def sim_engine(
     port: Annotated[int, typer.Option(help="TCP port to serve vLLM's HTTP API on")] = 8000,
     host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
@@ -101,7 +113,7 @@ def sim_engine(
           seed=seed, model_name=model_name, fault_injection=fault_injection)
 
 
-@app.command("broker")
+@command("broker")
 def broker(
     redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = "redis://127.0.0.1:6379/0",
     namespace: Annotated[str, typer.Option(help="key namespace (one RL job)", envvar="RB_NAMESPACE")] = "default",
@@ -141,7 +153,7 @@ def broker(
         service.run(stop)
 
 
-@app.command("bench")
+@command("bench")
 def bench(
     scenario: Annotated[Optional[str], typer.Option(help="scenario YAML (see scenarios/)")] = None,
     family: Annotated[Optional[str], typer.Option(help="scenario family YAML: run --samples scenarios drawn from it")] = None,
@@ -185,7 +197,7 @@ def bench(
         raise _usage_error("bench", e) from None
 
 
-@app.command("worker")
+@command("worker")
 def worker(
     backend_id: Annotated[str, typer.Option(help="this backend's id (one per engine)", envvar="RB_BACKEND_ID")],
     engine: Annotated[str, typer.Option(help="attach:URL, 'vllm:MODEL ARGS...' (the vLLM arguments after the model) or sim:PROFILE", envvar="RB_ENGINE")],
@@ -242,7 +254,7 @@ def worker(
         raise _usage_error("worker", exc) from None
 
 
-@app.command("tools")
+@command("tools")
 def tools_worker(
     redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = "redis://127.0.0.1:6379/0",
     namespace: Annotated[str, typer.Option(help="key namespace (one RL job): its tool queues", envvar="RB_NAMESPACE")] = "default",
@@ -265,7 +277,7 @@ def tools_worker(
     run_tool_worker(url, registry, namespace, burst=burst)
 
 
-@app.command("probe")
+@command("probe")
 def probe(
     role: Annotated[str, typer.Argument(help="broker | worker | tools")],
     redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = "redis://127.0.0.1:6379/0",
@@ -314,7 +326,7 @@ def probe(
     typer.echo("healthy")
 
 
-@app.command("demo")
+@command("demo")
 def demo(
     engines: Annotated[int, typer.Option(help="simulated engines (one worker each)")] = 4,
     duration: Annotated[float, typer.Option(help="seconds the trainer runs")] = 60.0,
@@ -342,7 +354,7 @@ def demo(
     raise typer.Exit(run_demo(settings, scenario=checked))
 
 
-@app.command("api")
+@command("api")
 def api(
     host: Annotated[str, typer.Option(help="address to bind; non-loopback needs --token", envvar="RB_API_HOST")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port", envvar="RB_API_PORT")] = 8080,

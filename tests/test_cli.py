@@ -93,3 +93,11 @@ def test_every_command_reads_its_options_from_rb_variables(argv, env, message, n
     res = CliRunner().invoke(app, argv, env=env)
     assert res.exit_code == 2, res.output
     assert message in res.output.strip().splitlines()[0], res.output
+
+
+def test_the_command_list_gives_each_command_one_unbroken_summary():
+    """A docstring's line breaks do not cut a summary: on a wide terminal each is one line."""
+    result = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "250", "TERMINAL_WIDTH": "250"})
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if "Health probe" in x)
+    assert "an RQ worker on this host beats)." in line, result.output
