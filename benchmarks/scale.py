@@ -10,8 +10,8 @@ and the fleet simulator's cost against engine count. One table; `--json PATH` wr
    admitted); decide()'s median and p99 in that window (the policy wrapped and timed on every
    call the broker makes; the window's calls are those that admitted its sessions); then 20 s
    of arrivals at 500 sessions/s (a child process enqueues them) with the 50,000 resident, and
-   decide()'s median and p99 there. For misa_t (the
-   default) and least_loaded. Targets: >= 5,000 sessions/s, decide() median <= 5 ms.
+   decide()'s median and p99 there. For misa_t (the default) and least_loaded. Targets:
+   >= 5,000 sessions/s, decide() median <= 5 ms.
 2. memory: Redis `used_memory` growth per pending session after enqueueing N sessions through
    `RolloutClient.enqueue`, for a 150-token and a 3,700-token prompt (token ids below 128,256),
    and MEMORY USAGE of the pending-stream entry, the session hash and the body key (the session
