@@ -59,8 +59,8 @@ def test_redis_down_is_a_json_503_on_every_endpoint():
 
 @pytest.mark.redis
 def test_shutdown_ends_even_when_a_step_of_it_hangs(settings, monkeypatch, caplog):
-    """SIGTERM must end the API: a Redis client whose close never returns is left behind after
-    SHUTDOWN_STEP_S, logged, and the rest of the shutdown still runs."""
+    """The API's shutdown always ends: a Redis client whose close never returns is left behind
+    after SHUTDOWN_STEP_S, logged, and the rest of the shutdown still runs."""
     import asyncio
     import time
 
