@@ -57,6 +57,7 @@ def test_scale_quick_reports_every_figure(tmp_path: Path) -> None:
 def test_the_drain_window_holds_the_calls_that_admitted_it_however_few():
     spec = importlib.util.spec_from_file_location("scale", ROOT / "benchmarks" / "scale.py")
     scale = importlib.util.module_from_spec(spec)
+    sys.modules["scale"] = scale  # (its dataclasses look their module up there)
     spec.loader.exec_module(scale)
     drain_calls = scale.drain_calls
 
