@@ -677,6 +677,9 @@ def make_executor(kind: str, redis_url: str, namespace: str, timeout_s: float = 
     raise ValueError(f"tools: {kind!r} must be 'inline' or 'rq'")
 
 
+STOP_CHECK_S = 1  # an idle tool worker looks for a stop this often (whole seconds: RQ's BLPOP)
+
+
 def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "default",
                     burst: bool = False, name: str | None = None,
                     stop: threading.Event | None = None) -> None:
@@ -689,9 +692,15 @@ def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "de
 
     RQ waits out a lost connection while it listens, but quits its loop on one in the middle of
     a job; this loop then waits for Redis and starts RQ's loop again, so a Redis restart never
-    ends the process. SIGTERM/SIGINT stop it (RQ's warm shutdown), as does setting `stop`."""
+    ends the process. SIGTERM/SIGINT stop it (RQ's warm shutdown: a job it has taken from the
+    queue runs first), as does setting `stop`; an idle worker stops within STOP_CHECK_S."""
     from rq import Queue, SimpleWorker
     from rq.serializers import JSONSerializer
+
+    try:
+        from rq.exceptions import StopRequested
+    except ImportError:  # rq before 2.0
+        from rq.worker import StopRequested
 
     stop = stop or threading.Event()
     queues = tool_queues(namespace)
@@ -729,8 +738,24 @@ def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "de
             self._state_written = state if pipeline is None else None
 
         def request_stop(self, signum, frame):  # RQ's handler of SIGTERM/SIGINT
+            # An idle RQ worker raises StopRequested from the handler, that is from inside its
+            # BLPOP or just after it: a job popped then is in no queue and no registry, lost
+            # (its caller waits out its deadline). So the stop is only recorded here, and the
+            # listening below ends at the next slice; a popped job runs first.
             stop.set()
-            super().request_stop(signum, frame)
+            try:
+                super().request_stop(signum, frame)
+            except StopRequested:
+                self._stop_requested = True
+
+        def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
+            if timeout is None:  # burst: one non-blocking look
+                return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            while not (self._stop_requested or stop.is_set()):  # in slices, to see a stop
+                found = super().dequeue_job_and_maintain_ttl(STOP_CHECK_S, STOP_CHECK_S)
+                if found is not None:
+                    return found
+            return None
 
         def _install_signal_handlers(self):
             # RQ registers the worker before it installs its handlers; a SIGTERM in between

@@ -307,3 +307,42 @@ def test_purge_leaves_nothing_of_the_namespace_tool_queues(redis_url, namespace,
         purge_tool_queues(redis_client, namespace + "x")
         asyncio.run(ex.aclose())
         asyncio.run(other.aclose())
+
+
+def test_a_stop_that_lands_just_as_a_job_is_taken_runs_the_job_first(redis_url, namespace):
+    """RQ takes a job off the queue with BLPOP while the worker is idle, and its SIGTERM handler
+    raises when the worker is idle: a stop landing between the pop and the job's start lost the
+    job (in no queue or registry; its caller waited out its deadline). Made certain here: the
+    child sends itself SIGTERM right after the pop. The job must run, and the worker exit."""
+    import redis
+    from rq.job import Job, JobStatus
+    from rq.serializers import JSONSerializer
+
+    from workers.tools import run_tool
+
+    ex = RqExecutor(redis_url, namespace, timeout_s=10.0)
+    try:
+        job_id = ex._enqueue(ex._tools_queue, run_tool, call("sim").model_dump())
+    finally:
+        asyncio.run(ex.aclose())
+    child = (
+        "import os, signal, sys\n"
+        "import rq.queue\n"
+        "take = rq.queue.Queue.dequeue_any.__func__\n"
+        "def dequeue_any(cls, *args, **kwargs):\n"
+        "    found = take(cls, *args, **kwargs)\n"
+        "    if found is not None:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return found\n"
+        "rq.queue.Queue.dequeue_any = classmethod(dequeue_any)\n"
+        "from broker.cli import app\n"
+        "sys.argv = ['rollout-broker', 'tools', '--redis-url', sys.argv[1], '--namespace', sys.argv[2]]\n"
+        "app()\n"
+    )
+    p = subprocess.run([sys.executable, "-c", child, redis_url, namespace], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    with redis.Redis.from_url(redis_url) as conn:
+        job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+        assert job.get_status() == JobStatus.FINISHED, (job.get_status(), p.stderr[-2000:])
