@@ -4,7 +4,6 @@ figures are measurements for docs/measurement.md, not checks."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from broker.redis_server import find_redis_server_binary
+from tests.scripts import load_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -55,11 +55,7 @@ def test_scale_quick_reports_every_figure(tmp_path: Path) -> None:
 
 
 def test_the_drain_window_holds_the_calls_that_admitted_it_however_few():
-    spec = importlib.util.spec_from_file_location("scale", ROOT / "benchmarks" / "scale.py")
-    scale = importlib.util.module_from_spec(spec)
-    sys.modules["scale"] = scale  # (its dataclasses look their module up there)
-    spec.loader.exec_module(scale)
-    drain_calls = scale.drain_calls
+    drain_calls = load_script(ROOT / "benchmarks" / "scale.py").drain_calls
 
     # (start, seconds, admitted): a drain of 3,000 taken in two calls, both starting before the
     # 10 % mark on the clock, then steady calls.

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY = """\
@@ -18,11 +18,7 @@ SUMMARY = """\
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("tools_rq", ROOT / "benchmarks" / "tools_rq.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tools_rq"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "tools_rq.py")
 
 
 def test_the_summary_row_of_all_workloads_is_what_counts():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from broker.client import RolloutClient
 from broker.policies import make_policy
 from sim.server.testing import running_engine
 from tests.broker.helpers import BrokerThread, wait_until
+from tests.scripts import load_script
 from tests.workers.helpers import WorkerThread
 
 pytestmark = pytest.mark.timeout(120)
@@ -20,9 +20,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "async_grpo.py"
 
 
 def test_the_async_grpo_example_trains_across_weight_updates(redis_url, namespace, redis_client):
-    spec = importlib.util.spec_from_file_location("async_grpo", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script(EXAMPLE)
     with running_engine(time_scale=200.0, kv_tokens=60_000) as e0:
         worker = WorkerThread(redis_url, namespace, "w0", e0.url).start()
         broker = BrokerThread(redis_url, namespace, make_policy("misa_t")).start()
