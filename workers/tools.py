@@ -708,26 +708,27 @@ def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "de
 
     class ToolWorker(SimpleWorker):
         # Round trips: RQ sends a heartbeat outside a pipeline as three commands, one round
-        # trip each, three times a job, and writes the worker's state twice a job when once
-        # would do; 21 round trips a job in all. These two send each beat as one pipeline,
-        # skip a beat that repeats one sent under a second ago (asking no longer expiry, no
-        # transaction beat in between), and skip rewriting an unchanged state: 13 round trips.
-        _last_beat: tuple[float, int] | None = None  # outside pipelines: (monotonic, expiry)
+        # trip each, three times a job, writes the worker's state twice a job when once would
+        # do, and asks Redis whether workers are suspended before every job; 21 round trips a
+        # job in all. Here a beat is one pipeline, and is skipped under a second after the
+        # last one (in RQ's transaction or not: whatever expiry either set, the idle loop
+        # beats again within STOP_CHECK_S, long before it runs out); an unchanged state is
+        # not rewritten; suspension (`rq suspend`) is looked up at most once a second: 10.
+        _last_beat_at: float | None = None  # monotonic time of the last heartbeat sent
         _state_written: str | None = None  # the state last written outside a pipeline
+        _suspension_checked_at: float | None = None
 
         def heartbeat(self, timeout=None, pipeline=None):
-            if pipeline is not None:  # part of RQ's transaction: it may shorten the expiry
-                self._last_beat = None
-                return super().heartbeat(timeout, pipeline)
-            expiry = timeout or self.worker_ttl + 60
             t = time.monotonic()
-            last = self._last_beat
-            if last is not None and t - last[0] < 1.0 and last[1] >= expiry:
+            if pipeline is not None:  # part of RQ's transaction, which RQ sends at once
+                self._last_beat_at = t
+                return super().heartbeat(timeout, pipeline)
+            if self._last_beat_at is not None and t - self._last_beat_at < 1.0:
                 return None
             with self.connection.pipeline(transaction=False) as pipe:
                 super().heartbeat(timeout, pipe)
                 pipe.execute()
-            self._last_beat = (t, expiry)
+            self._last_beat_at = t
             return None
 
         def set_state(self, state, pipeline=None):
@@ -736,6 +737,13 @@ def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "de
                 return
             super().set_state(state, pipeline)
             self._state_written = state if pipeline is None else None
+
+        def check_for_suspension(self, burst):
+            t = time.monotonic()
+            if self._suspension_checked_at is not None and t - self._suspension_checked_at < 1.0:
+                return None
+            self._suspension_checked_at = t
+            return super().check_for_suspension(burst)
 
         def request_stop(self, signum, frame):  # RQ's handler of SIGTERM/SIGINT
             # An idle RQ worker raises StopRequested from the handler, that is from inside its

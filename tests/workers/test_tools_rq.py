@@ -246,9 +246,10 @@ def test_token_ids_travel_packed_and_reach_the_function_as_lists():
         tools.unpack_token_fields({"history_token_ids": "not packed!"})
 
 
-def test_a_tool_worker_takes_13_round_trips_a_job(redis_url, namespace, monkeypatch):
+def test_a_tool_worker_takes_10_round_trips_a_job(redis_url, namespace, monkeypatch):
     """RQ's SimpleWorker takes 21 round trips to Redis per job (heartbeats as three single
-    commands, three a job; the state written twice); the tool worker's take 13."""
+    commands, three a job; the state written twice; a suspension check before each); the tool
+    worker takes 10."""
     import redis.connection
 
     from workers.tools import load_registry, run_tool, run_tool_worker
@@ -277,7 +278,33 @@ def test_a_tool_worker_takes_13_round_trips_a_job(redis_url, namespace, monkeypa
         per_job = (burst(40) - fixed) / 40
     finally:
         asyncio.run(ex.aclose())
-    assert per_job <= 13.5, per_job
+    assert per_job <= 10.5, per_job
+
+
+def test_a_suspended_tool_worker_takes_no_job(redis_url, namespace, redis_client):
+    """`rq suspend` still holds tool workers back, though they look it up at most once a
+    second: a job enqueued while suspended stays queued, and runs after `rq resume`."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+    from rq.suspension import resume, suspend
+
+    from workers.tools import load_registry, run_tool, run_tool_worker
+
+    ex = RqExecutor(redis_url, namespace, timeout_s=10.0)
+    queue = Queue(ex._tools_queue, connection=redis_client, serializer=JSONSerializer)
+    try:
+        job_id = ex._enqueue(ex._tools_queue, run_tool, call("sim").model_dump())
+        suspend(redis_client)
+        try:
+            run_tool_worker(redis_url, load_registry(None), namespace, burst=True)
+            assert queue.get_job_ids() == [job_id]
+        finally:
+            resume(redis_client)
+        run_tool_worker(redis_url, load_registry(None), namespace, burst=True)
+        assert queue.get_job_ids() == []
+        assert redis_client.llen(ex._replies) == 1
+    finally:
+        asyncio.run(ex.aclose())
 
 
 def test_purge_leaves_nothing_of_the_namespace_tool_queues(redis_url, namespace, redis_client):
