@@ -678,6 +678,9 @@ def make_executor(kind: str, redis_url: str, namespace: str, timeout_s: float = 
 
 
 STOP_CHECK_S = 1  # an idle tool worker looks for a stop this often (whole seconds: RQ's BLPOP)
+# A tool worker's heartbeat or suspension look-up this soon after the last one is skipped: the
+# idle loop beats again within STOP_CHECK_S, long before any expiry a beat set runs out.
+REPEAT_S = 1.0
 
 
 def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "default",
@@ -710,10 +713,9 @@ def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "de
         # Round trips: RQ sends a heartbeat outside a pipeline as three commands, one round
         # trip each, three times a job, writes the worker's state twice a job when once would
         # do, and asks Redis whether workers are suspended before every job; 21 round trips a
-        # job in all. Here a beat is one pipeline, and is skipped under a second after the
-        # last one (in RQ's transaction or not: whatever expiry either set, the idle loop
-        # beats again within STOP_CHECK_S, long before it runs out); an unchanged state is
-        # not rewritten; suspension (`rq suspend`) is looked up at most once a second: 10.
+        # job in all. Here a beat is one pipeline, and is skipped within REPEAT_S of the last
+        # one, in RQ's transaction or not; an unchanged state is not rewritten; suspension
+        # (`rq suspend`) is looked up at most once in REPEAT_S: 10.
         _last_beat_at: float | None = None  # monotonic time of the last heartbeat sent
         _state_written: str | None = None  # the state last written outside a pipeline
         _suspension_checked_at: float | None = None
@@ -723,7 +725,7 @@ def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "de
             if pipeline is not None:  # part of RQ's transaction, which RQ sends at once
                 self._last_beat_at = t
                 return super().heartbeat(timeout, pipeline)
-            if self._last_beat_at is not None and t - self._last_beat_at < 1.0:
+            if self._last_beat_at is not None and t - self._last_beat_at < REPEAT_S:
                 return None
             with self.connection.pipeline(transaction=False) as pipe:
                 super().heartbeat(timeout, pipe)
@@ -740,7 +742,8 @@ def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "de
 
         def check_for_suspension(self, burst):
             t = time.monotonic()
-            if self._suspension_checked_at is not None and t - self._suspension_checked_at < 1.0:
+            checked = self._suspension_checked_at
+            if checked is not None and t - checked < REPEAT_S:
                 return None
             self._suspension_checked_at = t
             return super().check_for_suspension(burst)

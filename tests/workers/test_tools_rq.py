@@ -336,12 +336,12 @@ def test_purge_leaves_nothing_of_the_namespace_tool_queues(redis_url, namespace,
         asyncio.run(other.aclose())
 
 
-def test_a_stop_that_lands_just_as_a_job_is_taken_runs_the_job_first(redis_url, namespace):
+def test_a_stop_that_lands_just_as_a_job_is_taken_runs_the_job_first(redis_url, namespace,
+                                                                      redis_client):
     """RQ takes a job off the queue with BLPOP while the worker is idle, and its SIGTERM handler
     raises when the worker is idle: a stop landing between the pop and the job's start lost the
     job (in no queue or registry; its caller waited out its deadline). Made certain here: the
     child sends itself SIGTERM right after the pop. The job must run, and the worker exit."""
-    import redis
     from rq.job import Job, JobStatus
     from rq.serializers import JSONSerializer
 
@@ -370,6 +370,5 @@ def test_a_stop_that_lands_just_as_a_job_is_taken_runs_the_job_first(redis_url, 
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0, p.stderr[-2000:]
-    with redis.Redis.from_url(redis_url) as conn:
-        job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
-        assert job.get_status() == JobStatus.FINISHED, (job.get_status(), p.stderr[-2000:])
+    job = Job.fetch(job_id, connection=redis_client, serializer=JSONSerializer)
+    assert job.get_status() == JobStatus.FINISHED, (job.get_status(), p.stderr[-2000:])
