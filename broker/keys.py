@@ -144,6 +144,12 @@ class Keys:
         """Hash: backend_id -> the pause epoch its engine has reached (paused)."""
         return f"{self.prefix}paused"
 
+    @property
+    def paused_events(self) -> str:
+        """Stream: an entry after each write to `paused_acks` (backend, epoch), which a pausing
+        trainer blocks on instead of polling the hash (capped)."""
+        return f"{self.prefix}paused:events"
+
     # -- broker ---------------------------------------------------------------------------------
     @property
     def lease(self) -> str:

@@ -17,7 +17,8 @@ as fresh.
 The calls are plans (broker/plans.py): both clients run them.
 
 State lives in the namespace's `weights` hash and `control` stream (written together by
-`lua/weights.lua`); acknowledgements in `paused_acks` (backend -> pause epoch).
+`lua/weights.lua`); acknowledgements in `paused_acks` (backend -> pause epoch), each announced
+on the `paused_events` stream that `pause` blocks on.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from broker.keys import Keys
-from broker.plans import Cmd, Plan, Sleep, batch, cmd, script
+from broker.plans import Cmd, Plan, batch, cmd, script
 from broker.streams import as_text
 
 PAUSE_MODES = ("abort", "wait", "keep")
+PAUSED_EVENTS_MAXLEN = 1000  # (approximate) entries kept on `paused_events`
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,17 +114,44 @@ def live_backends(keys: Keys) -> Plan[list[str]]:
 
 
 def wait_paused(keys: Keys, epoch: int, timeout_s: float,
-                poll_s: float = 0.005) -> Plan[list[str]]:
+                recheck_s: float = 0.25) -> Plan[list[str]]:
     """Until every live worker has acknowledged `epoch` (its engine is paused); returns those
-    backends. Raises TimeoutError naming the ones that did not."""
+    backends. Raises TimeoutError naming the ones that did not.
+
+    It reads `paused_acks` and the live workers once, then blocks on `paused_events` (each
+    ack adds an entry naming its backend and epoch) from the last entry seen before that read,
+    so an ack landing in between wakes it at once, and keeps count from the entries. Both are
+    read again once the workers it knows of have all acknowledged (one may have joined
+    meanwhile) and whenever `recheck_s` passes without an entry (one may have died, or
+    acknowledged without an entry: a worker of an earlier version)."""
     deadline = time.monotonic() + timeout_s
+    last = yield cmd("xrevrange", keys.paused_events, "+", "-", count=1)
+    after = as_text(last[0][0]) if last else "0-0"
+    live, acks = yield from _live_and_acks(keys)
     while True:
-        live = yield from live_backends(keys)
-        acks = {as_text(b): int(v) for b, v in (yield cmd("hgetall", keys.paused_acks)).items()}
         missing = [b for b in live if acks.get(b, 0) < epoch]
         if not missing:
-            return live
-        if time.monotonic() >= deadline:
+            live, acks = yield from _live_and_acks(keys)
+            missing = [b for b in live if acks.get(b, 0) < epoch]
+            if not missing:
+                return live
+        left = deadline - time.monotonic()
+        if left <= 0:
             raise TimeoutError(f"pause: engines of {', '.join(missing)} not paused after "
                                f"{timeout_s:g}s")
-        yield Sleep(poll_s)
+        block_ms = max(1, int(1000 * min(recheck_s, left)))
+        read = yield cmd("xread", {keys.paused_events: after}, count=1000, block=block_ms)
+        entries = [e for _, es in read or () for e in es]
+        for entry_id, fields in entries:
+            after = as_text(entry_id)
+            f = {as_text(k): as_text(v) for k, v in fields.items()}
+            if f.get("backend") and f.get("epoch", "").isdigit():
+                acks[f["backend"]] = max(acks.get(f["backend"], 0), int(f["epoch"]))
+        if not entries:
+            live, acks = yield from _live_and_acks(keys)
+
+
+def _live_and_acks(keys: Keys) -> Plan[tuple[list[str], dict[str, int]]]:
+    live = yield from live_backends(keys)
+    acks = yield cmd("hgetall", keys.paused_acks)
+    return live, {as_text(b): int(v) for b, v in acks.items()}

@@ -42,7 +42,7 @@ from broker.redis_conn import connect, durability
 from broker.scripts import Scripts
 from broker.session import Session, SessionResult, SessionState
 from broker.streams import BacklogCursor, as_text
-from broker.weights import WeightsState, read_state
+from broker.weights import PAUSED_EVENTS_MAXLEN, WeightsState, read_state
 
 
 class CompletionStats(BaseModel):
@@ -123,8 +123,13 @@ class WorkerLink:
                 for _, entries in reply or [] for eid, fields in entries]
 
     def ack_paused(self, epoch: int) -> None:
-        """This backend's engine is paused for pause `epoch`."""
-        self._client.hset(self.keys.paused_acks, self.backend_id, epoch)
+        """This backend's engine is paused for pause `epoch` (the hash, then the event a
+        pausing trainer waits on, in one round trip)."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.hset(self.keys.paused_acks, self.backend_id, epoch)
+        pipe.xadd(self.keys.paused_events, {"backend": self.backend_id, "epoch": epoch},
+                  maxlen=PAUSED_EVENTS_MAXLEN, approximate=True)
+        pipe.execute()
 
     def read_admitted(self, count: int = 64, block_ms: int | None = 1000) -> list[AdmittedSession]:
         """Sessions admitted here: first our unfinished backlog, then new ones (blocking)."""

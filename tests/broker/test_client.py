@@ -290,3 +290,33 @@ def test_acknowledging_twice_counts_once(client, redis_url, namespace, redis_cli
     client._handed = handed  # the same acknowledgement again, as after a lost reply
     client.ack()
     assert client.status()["consumed"] == {"rlvr": 1}
+
+
+def test_pause_ends_when_the_last_worker_acknowledges_not_at_its_next_look(
+        redis_url, namespace, redis_client):
+    """`pause` blocks on the stream of acknowledgements between its looks at the workers: with
+    a look due only every 3 s, a worker acknowledging after 0.3 s ends the wait at once."""
+    import threading
+    import time
+
+    from broker.heartbeat import EngineMetrics
+    from broker.plans import Runner
+    from broker.weights import order_pause, wait_paused
+
+    keys = Keys(namespace)
+    link = WorkerLink(redis_url, namespace, "b0", heartbeat_ttl_s=30.0)
+    link.register(4000, 32768)
+    link.heartbeat(EngineMetrics(kv_usage=0.0, running=0, waiting=0, preemptions_total=0,
+                                 prefix_queries_total=0, prefix_hits_total=0))
+    runner = Runner(redis_client)
+    epoch = runner.run(order_pause(keys, "keep"))
+    acker = threading.Timer(0.3, link.ack_paused, args=(epoch,))
+    t0 = time.monotonic()
+    acker.start()
+    try:
+        assert runner.run(wait_paused(keys, epoch, timeout_s=20.0, recheck_s=3.0)) == ["b0"]
+        waited = time.monotonic() - t0
+    finally:
+        acker.cancel()
+        link.close()
+    assert 0.3 <= waited < 1.5, waited

@@ -25,6 +25,7 @@ def test_every_key_has_its_exact_shape():
     assert k.weights == "rb:{job1}:weights"
     assert k.control == "rb:{job1}:control"
     assert k.paused_acks == "rb:{job1}:paused"
+    assert k.paused_events == "rb:{job1}:paused:events"
 
 
 @pytest.mark.parametrize("call, field", [
