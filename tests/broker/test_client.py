@@ -320,3 +320,38 @@ def test_pause_ends_when_the_last_worker_acknowledges_not_at_its_next_look(
         acker.cancel()
         link.close()
     assert 0.3 <= waited < 1.5, waited
+
+
+def test_pause_stops_waiting_for_a_worker_that_dies_during_it(redis_url, namespace,
+                                                              redis_client):
+    """A worker whose heartbeat goes away during the wait leaves no entry on the stream; the
+    wait reads the live workers again after `recheck_s` without one and returns the others."""
+    import threading
+    import time
+
+    from broker.heartbeat import EngineMetrics
+    from broker.plans import Runner
+    from broker.weights import order_pause, wait_paused
+
+    keys = Keys(namespace)
+    links = [WorkerLink(redis_url, namespace, b, heartbeat_ttl_s=30.0) for b in ("b0", "b1")]
+    for link in links:
+        link.register(4000, 32768)
+        link.heartbeat(EngineMetrics(kv_usage=0.0, running=0, waiting=0, preemptions_total=0,
+                                     prefix_queries_total=0, prefix_hits_total=0))
+    runner = Runner(redis_client)
+    epoch = runner.run(order_pause(keys, "keep"))
+    timers = [threading.Timer(0.1, links[0].ack_paused, args=(epoch,)),
+              threading.Timer(0.3, links[1].withdraw)]  # b1 goes away without pausing
+    t0 = time.monotonic()
+    for t in timers:
+        t.start()
+    try:
+        assert runner.run(wait_paused(keys, epoch, timeout_s=10.0, recheck_s=0.5)) == ["b0"]
+        waited = time.monotonic() - t0
+    finally:
+        for t in timers:
+            t.cancel()
+        for link in links:
+            link.close()
+    assert waited < 3.0, waited
