@@ -355,3 +355,31 @@ def test_pause_stops_waiting_for_a_worker_that_dies_during_it(redis_url, namespa
         for link in links:
             link.close()
     assert waited < 3.0, waited
+
+
+def test_the_async_pause_returns_once_the_worker_acknowledges(redis_url, namespace,
+                                                              redis_client):
+    """The same wait on the asyncio client (its blocking read on a pooled connection)."""
+    import threading
+
+    from broker.heartbeat import EngineMetrics
+
+    link = WorkerLink(redis_url, namespace, "b0", heartbeat_ttl_s=30.0)
+    link.register(4000, 32768)
+    link.heartbeat(EngineMetrics(kv_usage=0.0, running=0, waiting=0, preemptions_total=0,
+                                 prefix_queries_total=0, prefix_hits_total=0))
+
+    async def main():
+        async with AsyncRolloutClient(redis_url, namespace) as ac:
+            acker = threading.Timer(0.3, lambda: link.ack_paused(
+                int(redis_client.hget(Keys(namespace).weights, "epoch"))))
+            acker.start()
+            try:
+                return await ac.pause("keep", timeout=10.0)
+            finally:
+                acker.cancel()
+
+    try:
+        assert asyncio.run(main()) == ["b0"]
+    finally:
+        link.close()
