@@ -295,7 +295,7 @@ def test_acknowledging_twice_counts_once(client, redis_url, namespace, redis_cli
 def test_pause_ends_when_the_last_worker_acknowledges_not_at_its_next_look(
         redis_url, namespace, redis_client):
     """`pause` blocks on the stream of acknowledgements between its looks at the workers: with
-    a look due only every 3 s, a worker acknowledging after 0.3 s ends the wait at once."""
+    a look due only every 4 s, a worker acknowledging after 0.3 s ends the wait at once."""
     import threading
     import time
 
@@ -314,12 +314,12 @@ def test_pause_ends_when_the_last_worker_acknowledges_not_at_its_next_look(
     t0 = time.monotonic()
     acker.start()
     try:
-        assert runner.run(wait_paused(keys, epoch, timeout_s=20.0, recheck_s=3.0)) == ["b0"]
+        assert runner.run(wait_paused(keys, epoch, timeout_s=20.0, recheck_s=4.0)) == ["b0"]
         waited = time.monotonic() - t0
     finally:
         acker.cancel()
         link.close()
-    assert 0.3 <= waited < 1.5, waited
+    assert 0.3 <= waited < 3.0, waited
 
 
 def test_pause_stops_waiting_for_a_worker_that_dies_during_it(redis_url, namespace,
