@@ -73,6 +73,7 @@ from broker.heartbeat import EngineMetrics
 from broker.keys import Keys
 from broker.policies import policy_names
 from broker.policies.base import Decision, Snapshot
+from broker.redis_conn import delete_namespace
 from broker.redis_server import RedisHandle, free_port, start_private_redis
 from broker.gc_tuning import few_collections
 from broker.service import BrokerService, BrokerSettings, load_policy
@@ -385,14 +386,7 @@ def bench_memory(url: str, prompt_tokens: int, n: int) -> dict[str, float]:
 
 
 def wipe(r: redis.Redis, ns: str) -> None:
-    batch = []
-    for key in r.scan_iter(match=f"rb:{{{ns}}}:*", count=5_000):
-        batch.append(key)
-        if len(batch) >= 5_000:
-            r.unlink(*batch)
-            batch = []
-    if batch:
-        r.unlink(*batch)
+    delete_namespace(r, Keys(ns).prefix, batch=5_000)
 
 
 # -- 2b/3. one million pending: broker RSS and /v1/status -------------------------------------

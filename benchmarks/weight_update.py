@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from broker.client import RolloutClient  # noqa: E402
 from broker.demo import Children, run_until_interrupted  # noqa: E402
+from broker.redis_conn import delete_namespace  # noqa: E402
 from broker.redis_server import ensure_redis, free_port  # noqa: E402
 from broker.session import Session, SessionState  # noqa: E402
 from workers.engine import parse_metrics, wait_healthy  # noqa: E402
@@ -126,6 +127,11 @@ def run_once(args: argparse.Namespace, mode: str, repeat: int, redis_url: str) -
     finally:
         children.stop()
         client.close()
+        try:  # leave the Redis as it was (it may be someone else's)
+            with redis.Redis.from_url(redis_url) as r:
+                delete_namespace(r, client.keys.prefix)
+        except redis.RedisError as exc:
+            print(f"weight_update: namespace {namespace} not deleted ({exc})", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ from broker.heartbeat import parse_heartbeat
 from broker.keys import Keys
 from broker.mixture import mixture_drift
 from broker.policies import DEFAULT_POLICY, check_live_policy
-from broker.redis_conn import check_redis_url, connect
+from broker.redis_conn import check_redis_url, connect, delete_namespace
 from broker.redis_server import RedisHandle, ensure_redis
 from broker.session import Session, SessionResult, SessionState
 from scenarios import scenario_path
@@ -430,8 +430,7 @@ def run_demo(settings: DemoSettings, console: Console | None = None,
         children.stop()
         client.close()
         if not handle.owned:  # leave someone else's Redis as we found it
-            for key in r.scan_iter(match=f"{keys.prefix}*", count=1000):
-                r.delete(key)
+            delete_namespace(r, keys.prefix)
             if settings.tools == "rq":
                 purge_tool_queues(r, namespace)
         r.close()

@@ -313,6 +313,23 @@ def connect_async(url: str, **kwargs) -> aioredis.Redis:
     return sentinel.master_for(target.service, **opts)
 
 
+def delete_namespace(client: redis.Redis, prefix: str, batch: int = 1000) -> int:
+    """Delete every key under `prefix` (a namespace's `Keys.prefix`, `rb:{ns}:`), UNLINKed in
+    batches; returns how many. For a Redis shared with others: nothing outside it is touched,
+    and one hash tag holds the batch in one slot of a Redis Cluster."""
+    if not (prefix.startswith("rb:{") and prefix.endswith("}:")):
+        raise ValueError(f"prefix: {prefix!r} is not a namespace's key prefix (rb:{{ns}}:)")
+    done, keys = 0, []
+    for key in client.scan_iter(match=f"{prefix}*", count=batch):
+        keys.append(key)
+        if len(keys) >= batch:
+            done += client.unlink(*keys)
+            keys = []
+    if keys:
+        done += client.unlink(*keys)
+    return done
+
+
 def is_outage(exc: BaseException) -> bool:
     if isinstance(exc, OUTAGE_ERRORS):
         return True

@@ -42,14 +42,20 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def benchmark_namespaces(client) -> set[bytes]:
+    return {key.split(b"}")[0] for key in client.scan_iter(match="rb:{wu-*", count=1000)}
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process parents from /proc")
-def test_sigterm_stops_the_processes_the_benchmark_started() -> None:
+def test_sigterm_stops_the_processes_the_benchmark_started(redis_url, redis_client) -> None:
+    """...and leaves none of its keys in a Redis it did not start."""
+    before = benchmark_namespaces(redis_client)
     # A long warm-up: the signal arrives while the fleet runs its first sessions.
     bench = subprocess.Popen(
         [sys.executable, str(ROOT / "benchmarks" / "weight_update.py"), "--workers", "1",
          "--modes", "keep", "--repeats", "1", "--sessions", "4", "--warmup", "60"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        env=dict(os.environ, PYTHONPATH=str(ROOT), REDIS_URL=redis_url))
     started: set[int] = set()
     try:
         deadline = time.monotonic() + 60
@@ -67,6 +73,7 @@ def test_sigterm_stops_the_processes_the_benchmark_started() -> None:
         while any(alive(p) for p in started) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not [p for p in started if alive(p)], "left running after SIGTERM"
+        assert benchmark_namespaces(redis_client) <= before, "keys left in Redis"
     finally:
         if bench.poll() is None:
             bench.kill()
