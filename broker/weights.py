@@ -128,13 +128,15 @@ def wait_paused(keys: Keys, epoch: int, timeout_s: float,
     last = yield cmd("xrevrange", keys.paused_events, "+", "-", count=1)
     after = as_text(last[0][0]) if last else "0-0"
     live, acks = yield from _live_and_acks(keys)
+    current = True  # live and acks as just read, not counted on from entries since
     while True:
         missing = [b for b in live if acks.get(b, 0) < epoch]
         if not missing:
-            live, acks = yield from _live_and_acks(keys)
-            missing = [b for b in live if acks.get(b, 0) < epoch]
-            if not missing:
+            if current:
                 return live
+            live, acks = yield from _live_and_acks(keys)  # one may have joined meanwhile
+            current = True
+            continue
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"pause: engines of {', '.join(missing)} not paused after "
@@ -147,8 +149,10 @@ def wait_paused(keys: Keys, epoch: int, timeout_s: float,
             f = {as_text(k): as_text(v) for k, v in fields.items()}
             if f.get("backend") and f.get("epoch", "").isdigit():
                 acks[f["backend"]] = max(acks.get(f["backend"], 0), int(f["epoch"]))
+                current = False
         if not entries:
             live, acks = yield from _live_and_acks(keys)
+            current = True
 
 
 def _live_and_acks(keys: Keys) -> Plan[tuple[list[str], dict[str, int]]]:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
 from broker.client import AsyncRolloutClient, RolloutClient, quotas
+from broker.heartbeat import EngineMetrics
 from broker.keys import Keys
+from broker.plans import Runner
 from broker.session import SessionResult, SessionState
+from broker.weights import order_pause, wait_paused
 from broker.worker_link import WorkerLink
 from tests.broker.helpers import make_session
 
@@ -292,22 +297,21 @@ def test_acknowledging_twice_counts_once(client, redis_url, namespace, redis_cli
     assert client.status()["consumed"] == {"rlvr": 1}
 
 
+def beating_worker(redis_url: str, namespace: str, backend: str) -> WorkerLink:
+    """A registered backend whose heartbeat is live for 30 s (it pauses when a test says)."""
+    link = WorkerLink(redis_url, namespace, backend, heartbeat_ttl_s=30.0)
+    link.register(4000, 32768)
+    link.heartbeat(EngineMetrics(kv_usage=0.0, running=0, waiting=0, preemptions_total=0,
+                                 prefix_queries_total=0, prefix_hits_total=0))
+    return link
+
+
 def test_pause_ends_when_the_last_worker_acknowledges_not_at_its_next_look(
         redis_url, namespace, redis_client):
     """`pause` blocks on the stream of acknowledgements between its looks at the workers: with
     a look due only every 4 s, a worker acknowledging after 0.3 s ends the wait at once."""
-    import threading
-    import time
-
-    from broker.heartbeat import EngineMetrics
-    from broker.plans import Runner
-    from broker.weights import order_pause, wait_paused
-
     keys = Keys(namespace)
-    link = WorkerLink(redis_url, namespace, "b0", heartbeat_ttl_s=30.0)
-    link.register(4000, 32768)
-    link.heartbeat(EngineMetrics(kv_usage=0.0, running=0, waiting=0, preemptions_total=0,
-                                 prefix_queries_total=0, prefix_hits_total=0))
+    link = beating_worker(redis_url, namespace, "b0")
     runner = Runner(redis_client)
     epoch = runner.run(order_pause(keys, "keep"))
     acker = threading.Timer(0.3, link.ack_paused, args=(epoch,))
@@ -326,19 +330,8 @@ def test_pause_stops_waiting_for_a_worker_that_dies_during_it(redis_url, namespa
                                                               redis_client):
     """A worker whose heartbeat goes away during the wait leaves no entry on the stream; the
     wait reads the live workers again after `recheck_s` without one and returns the others."""
-    import threading
-    import time
-
-    from broker.heartbeat import EngineMetrics
-    from broker.plans import Runner
-    from broker.weights import order_pause, wait_paused
-
     keys = Keys(namespace)
-    links = [WorkerLink(redis_url, namespace, b, heartbeat_ttl_s=30.0) for b in ("b0", "b1")]
-    for link in links:
-        link.register(4000, 32768)
-        link.heartbeat(EngineMetrics(kv_usage=0.0, running=0, waiting=0, preemptions_total=0,
-                                     prefix_queries_total=0, prefix_hits_total=0))
+    links = [beating_worker(redis_url, namespace, b) for b in ("b0", "b1")]
     runner = Runner(redis_client)
     epoch = runner.run(order_pause(keys, "keep"))
     timers = [threading.Timer(0.1, links[0].ack_paused, args=(epoch,)),
@@ -360,14 +353,7 @@ def test_pause_stops_waiting_for_a_worker_that_dies_during_it(redis_url, namespa
 def test_the_async_pause_returns_once_the_worker_acknowledges(redis_url, namespace,
                                                               redis_client):
     """The same wait on the asyncio client (its blocking read on a pooled connection)."""
-    import threading
-
-    from broker.heartbeat import EngineMetrics
-
-    link = WorkerLink(redis_url, namespace, "b0", heartbeat_ttl_s=30.0)
-    link.register(4000, 32768)
-    link.heartbeat(EngineMetrics(kv_usage=0.0, running=0, waiting=0, preemptions_total=0,
-                                 prefix_queries_total=0, prefix_hits_total=0))
+    link = beating_worker(redis_url, namespace, "b0")
 
     async def main():
         async with AsyncRolloutClient(redis_url, namespace) as ac:
