@@ -254,10 +254,10 @@ class MisaT(Policy):
         views = snapshot.backends
         todo = self._moved_positions(views)
         self._redo.clear()
-        work_pending = any(snapshot.pending.values())
+        next_charge = self._smallest_head_charge(snapshot.pending)
         moved: list[BackendState] = []  # states whose values changed since the last call
         if todo is None:  # the first call, or backends joined, left or were reordered
-            states = self._states = [self._account_backend(view, work_pending, snapshot.now,
+            states = self._states = [self._account_backend(view, next_charge, snapshot.now,
                                                             moved, decision) for view in views]
             self._position = {view.backend_id: i for i, view in enumerate(views)}
             if len(self._booked) > len(views):  # some backend left the fleet
@@ -271,7 +271,7 @@ class MisaT(Policy):
             states, last, out_changed = self._states, self._views, False
             for i in todo:
                 view = views[i]
-                state = self._account_backend(view, work_pending, snapshot.now, moved, decision)
+                state = self._account_backend(view, next_charge, snapshot.now, moved, decision)
                 if state is not states[i] or view.healthy != last[i].healthy:
                     states[i] = state
                     out_changed = True
@@ -307,7 +307,20 @@ class MisaT(Policy):
                 todo.add(i)
         return sorted(todo)
 
-    def _account_backend(self, view: BackendView, work_pending: bool, now: float,
+    def _smallest_head_charge(self, pending: Mapping[str, Sequence[PendingItem]]) -> float | None:
+        """The smallest charge among the sessions next in line to start (each workload's oldest
+        first turn; follow-up turns go home whatever α says); None when none waits."""
+        smallest = None
+        for items in pending.values():
+            for item in items:
+                if not item.turn:
+                    charge = self._charge(item)
+                    if smallest is None or charge < smallest:
+                        smallest = charge
+                    break
+        return smallest
+
+    def _account_backend(self, view: BackendView, next_charge: float | None, now: float,
                          moved: list[BackendState], decision: Decision) -> BackendState:
         """One backend's part of `_account`: its charges and α brought up to date, its state
         returned (appended to `moved` where its values changed)."""
@@ -334,7 +347,7 @@ class MisaT(Policy):
             self.prefix.sync_backend(b, view.capacity_tokens)
             self._max_len = min(self._max_len, view.max_model_len)
             booked = self._charge_residents(view, now, fresh, decision)
-            alpha = self._adapt_alpha(view, fresh, work_pending, booked.reserved,
+            alpha = self._adapt_alpha(view, fresh, next_charge, booked.reserved,
                                       booked.growth, now)
             state = booked.state
             state.limit = alpha * view.capacity_tokens
@@ -422,7 +435,7 @@ class MisaT(Policy):
         factor = expected / total
         return factor if factor >= 1.0 + self.config.growth_noise_band / math.sqrt(n) else 1.0
 
-    def _adapt_alpha(self, view: BackendView, fresh: bool, work_pending: bool,
+    def _adapt_alpha(self, view: BackendView, fresh: bool, next_charge: float | None,
                      reserved: float, growth: float, now: float) -> float:
         """α_b after this heartbeat (AIMD on the engine's own signals when it is fresh); the
         loop reads ρ_b scaled by `growth` (`_growth`)."""
@@ -444,7 +457,7 @@ class MisaT(Policy):
                 self._usage_ratio[b] = ratio
                 if ratio is not None:
                     ratio *= growth
-                alpha = cfg.aimd.step(alpha, hb, before, work_pending=work_pending,
+                alpha = cfg.aimd.step(alpha, hb, before, next_charge=next_charge,
                                       reserved=reserved, capacity=view.capacity_tokens,
                                       ratio=ratio, calm_for=hb.at - calm_since)
                 if cfg.aimd.backed_off(hb, before):

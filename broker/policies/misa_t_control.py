@@ -50,7 +50,10 @@ class AimdParams:
     kv_target: float = 0.97  # the usage the ceiling aims at; α grows only below it ...
     calm_s: float = 3.0  # ... and when no preemption or back-off happened for this long
     waiting_tolerance: int = 4  # queued requests tolerated (arrivals wait a step for prefill)
-    binding: float = 0.9  # α binds when reservations reach this fraction of α·C_b
+    # α binds when reservations reach this fraction of α·C_b, or when the smallest session
+    # waiting to start would not fit under α·C_b (sessions that are large against C_b: three
+    # of 8K on an engine of 31K leave 20% free and still admit nothing)
+    binding: float = 0.9
 
     def usage_ratio(self, old: float | None, now: Telemetry, reserved: float,
                     capacity: float) -> float | None:
@@ -73,14 +76,15 @@ class AimdParams:
         now: Telemetry,
         before: Telemetry | None,
         *,
-        work_pending: bool,
+        next_charge: float | None,
         reserved: float,
         capacity: float,
         ratio: float | None,
         calm_for: float = float("inf"),
     ) -> float:
         """The α after heartbeat `now` (`before` is the previous one from this backend; `ratio`
-        is ρ_b including `now`); `calm_for` is how long ago this backend last preempted or
+        is ρ_b including `now`); `next_charge` is the smallest charge of a session waiting to
+        start (None: none waits); `calm_for` is how long ago this backend last preempted or
         backed off."""
         backoff = self.backoff(now, before)
         ceiling = self.ceiling(ratio)
@@ -91,11 +95,17 @@ class AimdParams:
             and ceiling > alpha
             and now.kv_usage < self.kv_target
             and calm_for >= self.calm_s
-            and work_pending
-            and reserved >= self.binding * alpha * capacity
+            and next_charge is not None
+            and self.binds(alpha, reserved, capacity, next_charge)
         ):
             alpha += self.approach * (ceiling - alpha)
         return min(self.alpha_max, max(self.alpha_min, alpha))
+
+    def binds(self, alpha: float, reserved: float, capacity: float, next_charge: float) -> bool:
+        """Whether α is what stops admissions here: reservations are near α·C_b, or the
+        smallest waiting session no longer fits under it."""
+        limit = alpha * capacity
+        return reserved >= self.binding * limit or reserved + next_charge > limit
 
     def backoff(self, now: Telemetry, before: Telemetry | None) -> float | None:
         """The factor heartbeat `now` shrinks α by, first rule that applies: a new preemption,

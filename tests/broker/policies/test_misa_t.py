@@ -91,15 +91,19 @@ def test_alpha_grows_toward_the_ceiling_only_while_it_binds_usage_is_low_and_wor
     ceiling = p.kv_target / ratio
 
     def step(alpha=1.0, now=low, before=None, **kw):
-        args = {"work_pending": True, "reserved": 95_000, "capacity": CAP, "ratio": ratio} | kw
+        args = {"next_charge": 1_000, "reserved": 95_000, "capacity": CAP, "ratio": ratio} | kw
         return p.step(alpha, now, before or hb(1.0), **args)
 
     assert step() == pytest.approx(1.0 + p.approach * (ceiling - 1.0))
     # not after a recent back-off (the calm clock), not without work, not while α has slack,
     # not before any ratio is known, and never past the ceiling
     assert step(calm_for=p.calm_s / 2) == 1.0
-    assert step(work_pending=False) == 1.0
+    assert step(next_charge=None) == 1.0
     assert step(reserved=10_000) == 1.0
+    # α binds too when the smallest waiting session no longer fits under α·C, however far
+    # the reservations are from the binding fraction (three sessions of 26% of C leave 22%)
+    assert step(reserved=78_000, next_charge=26_000) > 1.0
+    assert step(reserved=78_000, next_charge=20_000) == 1.0
     assert step(ratio=None) == 1.0
     assert step(alpha=ceiling, reserved=CAP * 2) == pytest.approx(ceiling)
     assert step(alpha=2.5, reserved=CAP * 3) == 2.5  # above the ceiling: the signals bring it down
@@ -108,6 +112,27 @@ def test_alpha_grows_toward_the_ceiling_only_while_it_binds_usage_is_low_and_wor
     queue = hb(2.0, waiting=9)
     assert step(now=queue, before=hb(1.0, waiting=5), reserved=0) == pytest.approx(p.backoff_waiting)
     assert step(alpha=p.alpha_min, now=queue, before=hb(1.0, waiting=5)) == p.alpha_min
+
+
+def test_alpha_grows_where_sessions_are_large_against_the_cache() -> None:
+    """Three sessions charged 26% of C each (prompt plus their 26,000-token cap) hold 78%: the
+    fourth does not fit at α = 1, and with the engine at 30% the loop grows α until it does
+    (before, α waited for reservations of 90% of α·C, which sessions this large never reach)."""
+    policy = make_policy("misa_t")
+    big = {"max_tokens": 25_900, "prompt": 100}
+    residents = [resident(f"r{i}", reserved=26_000, context=3_000, **big) for i in range(3)]
+    items = [pending(f"p{i}", at=float(i), **big) for i in range(4)]
+    alpha, admitted = 1.0, []
+    for t in range(1, 12):
+        d = policy.decide(snap([view("a", *residents, alpha=alpha,
+                                     telemetry=hb(float(t), usage=0.3))], items, now=float(t)))
+        alpha = d.alpha.get("a", alpha)
+        admitted += d.admissions
+        residents += [resident(a.session_id, reserved=a.reserved_tokens, context=100, **big)
+                      for a in d.admissions]
+        items = [it for it in items if it.session_id not in {a.session_id for a in d.admissions}]
+    assert alpha > 1.0
+    assert admitted, "α grew past the next session's charge, and the session went in"
 
 
 def test_usage_ratio_follows_what_the_engine_holds_per_token_charged() -> None:
