@@ -2,8 +2,9 @@
 
 `AimdParams.step` turns one backend's heartbeat into its next α (docs/misa-t.md): back off
 multiplicatively on a new preemption, a growing engine waiting queue or KV usage above the high
-watermark; otherwise, while usage is below target, the backend has been calm for `calm_s`, work
-is pending and α is what binds, move α toward the α at which the engine would sit at its
+watermark; otherwise, while usage is below target, the backend has been calm for `calm_s` (or
+its engine has drained: usage below `recovered_kv` and nothing queued), work is pending and α
+is what binds, move α toward the α at which the engine would sit at its
 target usage. That α comes from closing the loop between what the ledger charges and what the
 engine holds: ρ_b (`usage_ratio`), the KV the engine reports in use per token charged there,
 tracked per heartbeat; reservations of α·C_b then mean about ρ_b·α·C_b in use, so the
@@ -48,7 +49,11 @@ class AimdParams:
     backoff_high: float = 0.97  # usage above the watermark: the next growth step may preempt
     kv_high: float = 0.99  # vLLM preempts at 100%: keep one decode burst of slack
     kv_target: float = 0.97  # the usage the ceiling aims at; α grows only below it ...
-    calm_s: float = 3.0  # ... and when no preemption or back-off happened for this long
+    calm_s: float = 3.0  # ... and when no preemption or back-off happened for this long,
+    # or when the engine has drained: usage below this with no request queued, the congestion
+    # it backed off from is over (the cohort that filled it finished) and waiting out calm_s
+    # leaves its KV idle while sessions wait
+    recovered_kv: float = 0.75
     waiting_tolerance: int = 4  # queued requests tolerated (arrivals wait a step for prefill)
     # α binds when reservations reach this fraction of α·C_b, or when the smallest session
     # waiting to start would not fit under α·C_b (sessions that are large against C_b: three
@@ -85,7 +90,7 @@ class AimdParams:
         """The α after heartbeat `now` (`before` is the previous one from this backend; `ratio`
         is ρ_b including `now`); `next_charge` is the smallest charge of a session waiting to
         start (None: none waits); `calm_for` is how long ago this backend last preempted or
-        backed off."""
+        backed off (it counts only while the engine has not drained)."""
         backoff = self.backoff(now, before)
         ceiling = self.ceiling(ratio)
         if backoff is not None:
@@ -94,12 +99,16 @@ class AimdParams:
             ceiling is not None
             and ceiling > alpha
             and now.kv_usage < self.kv_target
-            and calm_for >= self.calm_s
+            and (calm_for >= self.calm_s or self.drained(now))
             and next_charge is not None
             and self.binds(alpha, reserved, capacity, next_charge)
         ):
             alpha += self.approach * (ceiling - alpha)
         return min(self.alpha_max, max(self.alpha_min, alpha))
+
+    def drained(self, now: Telemetry) -> bool:
+        """Whether the engine has room and nothing queued, however recently α backed off."""
+        return now.kv_usage < self.recovered_kv and now.waiting == 0
 
     def binds(self, alpha: float, reserved: float, capacity: float, next_charge: float) -> bool:
         """Whether α is what stops admissions here: reservations are near α·C_b, or the

@@ -97,7 +97,8 @@ def test_alpha_grows_toward_the_ceiling_only_while_it_binds_usage_is_low_and_wor
     assert step() == pytest.approx(1.0 + p.approach * (ceiling - 1.0))
     # not after a recent back-off (the calm clock), not without work, not while α has slack,
     # not before any ratio is known, and never past the ceiling
-    assert step(calm_for=p.calm_s / 2) == 1.0
+    busy = hb(2.0, usage=p.recovered_kv + 0.05)
+    assert step(now=busy, calm_for=p.calm_s / 2) == 1.0
     assert step(next_charge=None) == 1.0
     assert step(reserved=10_000) == 1.0
     # α binds too when the smallest waiting session no longer fits under α·C, however far
@@ -112,6 +113,25 @@ def test_alpha_grows_toward_the_ceiling_only_while_it_binds_usage_is_low_and_wor
     queue = hb(2.0, waiting=9)
     assert step(now=queue, before=hb(1.0, waiting=5), reserved=0) == pytest.approx(p.backoff_waiting)
     assert step(alpha=p.alpha_min, now=queue, before=hb(1.0, waiting=5)) == p.alpha_min
+
+
+def test_alpha_grows_at_once_where_the_engine_has_drained_since_its_last_back_off() -> None:
+    """The calm period keeps α from growing back into the congestion it just backed off from;
+    once the engine holds less than `recovered_kv` with nothing queued (the cohort that filled
+    it has finished), waiting it out only leaves KV idle while sessions wait."""
+    p = AimdParams()
+    ratio = 0.5
+
+    def step(now, calm_for=0.0):
+        return p.step(1.0, now, hb(1.0), next_charge=1_000, reserved=95_000, capacity=CAP,
+                      ratio=ratio, calm_for=calm_for)
+
+    grown = 1.0 + p.approach * (p.kv_target / ratio - 1.0)
+    assert step(hb(2.0, usage=p.recovered_kv - 0.05)) == pytest.approx(grown)
+    # still busy: the calm clock holds α where it is
+    assert step(hb(2.0, usage=p.recovered_kv + 0.05)) == 1.0
+    assert step(hb(2.0, usage=0.3, waiting=2)) == 1.0  # a queue within tolerance: not drained
+    assert step(hb(2.0, usage=p.recovered_kv + 0.05), calm_for=p.calm_s) == pytest.approx(grown)
 
 
 def test_alpha_grows_where_sessions_are_large_against_the_cache() -> None:
