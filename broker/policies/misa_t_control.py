@@ -90,7 +90,7 @@ class AimdParams:
         """The α after heartbeat `now` (`before` is the previous one from this backend; `ratio`
         is ρ_b including `now`); `next_charge` is the smallest charge of a session waiting to
         start (None: none waits); `calm_for` is how long ago this backend last preempted or
-        backed off (it counts only while the engine has not drained)."""
+        backed off (growth waits `calm_s` after that unless the engine has drained)."""
         backoff = self.backoff(now, before)
         ceiling = self.ceiling(ratio)
         if backoff is not None:
