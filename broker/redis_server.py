@@ -33,10 +33,21 @@ def redis_answers(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free on loopback now (held open together while they are picked, so
+    none is handed out twice; another process may still take one before it is bound)."""
+    held = [socket.socket() for _ in range(n)]
+    try:
+        for s in held:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @dataclass
