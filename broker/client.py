@@ -180,7 +180,9 @@ class _Plans:
             raise
         entries = reply[0][1] if reply else []
         self._cursor.advance(entries, count)
-        held = self._held_ids() if start != ">" else set()
+        # A backlog read delivers again what we hold; so would a '>' read on a primary that
+        # lost a delivery it confirmed (`durable`): an entry enters the buffer once.
+        held = self._held_ids() if entries else set()
         n = 0
         for entry_id, fields in entries:
             eid = as_text(entry_id)

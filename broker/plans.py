@@ -105,16 +105,25 @@ def durable(calls: list[Cmd | ScriptCall], durability: Durability) -> Plan[list]
     asks the sentinels where the primary is (one without replicas may just have been
     replaced: after a SENTINEL FAILOVER the old primary takes writes for seconds). Every write
     the system must not lose in a failover goes through here: enqueue, admission, finish,
-    hand-back, results delivery and acknowledgement."""
+    hand-back, results delivery and acknowledgement.
+
+    A PING goes between the calls and the WAIT. WAIT counts from the connection's write
+    offset, which Redis 6.2 and 7.0 set after each command the connection runs, not when a
+    blocked command is served later: an XREADGROUP BLOCK that another client's XADD serves
+    propagates its delivery after that offset, so a bare WAIT behind it returns at once, before
+    any replica has the delivery (a failover then delivers the entry again: one CI run handed
+    a result twice). The PING runs after the read is served and moves the offset past it.
+    (Redis 7.2 runs a served blocked command again, which sets the offset itself.)"""
     if not calls:
         return []
     if not durability.replicas:
         if len(calls) == 1:  # one call goes out alone, as `cmd` and `script` send it
             return [(yield Batch(tuple(calls), single=True))]
         return (yield batch(calls))
-    replies = yield batch([*calls, Cmd("wait", (durability.replicas, durability.timeout_ms))])
+    replies = yield batch([*calls, Cmd("ping", ()),
+                           Cmd("wait", (durability.replicas, durability.timeout_ms))])
     durability.confirm(replies[-1])
-    return replies[:-1]
+    return replies[:-2]
 
 
 def ensure_group(stream: str, group: str, start_id: str = "0") -> Plan[None]:

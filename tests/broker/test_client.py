@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from broker.client import AsyncRolloutClient, RolloutClient, quotas
+from broker.client import AsyncRolloutClient, RolloutClient, _Plans, quotas
 from broker.heartbeat import EngineMetrics
 from broker.keys import Keys
 from broker.plans import Runner
@@ -369,3 +369,27 @@ def test_the_async_pause_returns_once_the_worker_acknowledges(redis_url, namespa
         assert asyncio.run(main()) == ["b0"]
     finally:
         link.close()
+
+
+def _served(plan, reply):
+    """Run a plan whose one step is a single read, answering it with `reply`."""
+    next(plan)
+    try:
+        plan.send(reply)
+    except StopIteration as done:
+        return done.value
+    raise AssertionError("the plan asked for more than one step")
+
+
+def test_an_entry_the_client_holds_enters_its_buffer_once_whatever_read_delivers_it():
+    """A new primary that lacks a delivery (see broker.plans.durable) hands the entry to a
+    '>' read again: it must not be buffered, and so handed back, twice."""
+    plans = _Plans("ns", None, "trainer", 1.0)
+    result = SessionResult(session_id="s0", workload="rlvr", status=SessionState.done)
+    reply = [[b"rb:{ns}:results", [(b"5-0", {b"result": result.model_dump_json().encode()})]]]
+    assert _served(plans._fetch(100, 1000), reply) == 1  # the backlog read: it is new
+    assert plans._cursor.read_args(1000)[0] == ">"
+    assert _served(plans._fetch(100, 1000), reply) == 0  # '>' delivers it again
+    assert [r.session_id for r in plans._take(10, None)] == ["s0"]
+    assert _served(plans._fetch(100, 1000), reply) == 0  # handed back, not yet acknowledged
+    assert plans._take(10, None) == []

@@ -31,7 +31,14 @@ from broker.client import AsyncRolloutClient, RolloutClient
 from broker.keys import Keys
 from broker.plans import Cmd, Runner, durable
 from broker.policies import make_policy
-from broker.redis_conn import MIN_REPLICAS_ENV, connect, connect_async, durability
+from broker.redis_conn import (
+    MIN_REPLICAS_ENV,
+    Durability,
+    NotReplicatedError,
+    connect,
+    connect_async,
+    durability,
+)
 from broker.redis_server import (
     ensure_redis,
     find_redis_server_binary,
@@ -352,6 +359,50 @@ def test_a_durable_write_waits_for_a_replica(cluster):
         assert acked.exists(Keys("ns").session("s0"), Keys("ns").session("a2")) == 2
     finally:
         acked.close()
+
+
+def test_a_read_served_while_blocked_is_confirmed_only_once_the_replica_holds_its_delivery(
+        cluster):
+    """An XREADGROUP BLOCK that another client's XADD serves, then WAIT (`durable`, as the
+    trainer reads results): with the replica stopped after the read blocked, the delivery
+    cannot reach it, so the read must not be confirmed. (Redis 6.2 and 7.0 leave the reader's
+    write offset where it was when it blocked, so a WAIT right behind the read counts the
+    replica as holding everything at once; after a failover the new primary delivered such an
+    entry again, and the trainer got one result twice.)"""
+    primary = redis.Redis("127.0.0.1", cluster.primary_port)
+    reader = redis.Redis("127.0.0.1", cluster.primary_port)
+    replica = cluster.nodes[cluster.replica_port]
+    outcome: list = []
+
+    def read() -> None:
+        try:
+            outcome.append(Runner(reader).run(durable(
+                [Cmd("xreadgroup", ("g", "c", {"s": ">"}), {"count": 10, "block": 20_000})],
+                Durability(replicas=1, timeout_ms=500))))
+        except Exception as exc:
+            outcome.append(exc)
+
+    def caught_up() -> bool:
+        info = primary.info("replication")
+        return info.get("slave0", {}).get("offset") == info["master_repl_offset"]
+
+    try:
+        primary.xgroup_create("s", "g", id="0", mkstream=True)
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        assert wait_until(lambda: any(c["cmd"] == "xreadgroup" and "b" in c["flags"]
+                                      for c in primary.client_list()), timeout=10)
+        assert wait_until(caught_up, timeout=10)  # the replica holds all up to the block
+        os.kill(replica.pid, signal.SIGSTOP)
+        try:
+            primary.xadd("s", {"f": "v"})  # serves the blocked read
+            thread.join(10)
+        finally:
+            os.kill(replica.pid, signal.SIGCONT)
+    finally:
+        primary.close()
+        reader.close()
+    assert len(outcome) == 1 and isinstance(outcome[0], NotReplicatedError), outcome
 
 
 def test_no_acknowledged_enqueue_is_lost_when_the_failover_drops_the_replicas_lag(
