@@ -48,6 +48,11 @@ from redis.exceptions import (
     SlotNotCoveredError,
 )
 
+# redis-py 8.2 raises its own subclass when no node answers a topology refresh; earlier ones
+# a plain RedisClusterException with the same words.
+UNREACHABLE_ERRORS: tuple[type[Exception], ...] = tuple(
+    e for e in (getattr(redis.exceptions, "RedisClusterUnreachableError", None),) if e)
+
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 DEFAULT_PORT = 6379
 # Connection options a cluster URL may set (both cluster clients take them).
@@ -144,7 +149,8 @@ def _unavailable(exc: Exception) -> Exception:
     """The outage `exc` means, as a ConnectionError; `exc` itself when it is no outage."""
     if isinstance(exc, ClusterDownError | SlotNotCoveredError):
         return ClusterUnavailable(f"{type(exc).__name__}: {exc}")
-    if type(exc) is RedisClusterException and "cannot be connected" in str(exc):
+    if isinstance(exc, UNREACHABLE_ERRORS) or (
+            type(exc) is RedisClusterException and "cannot be connected" in str(exc)):
         return ClusterUnavailable(str(exc))
     return exc
 
