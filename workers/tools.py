@@ -768,6 +768,18 @@ def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "de
                     return found
             return None
 
+        def subscribe(self):
+            # RQ's own listens for its commands (`rq` shutdown, stop-job) on a thread that
+            # waits up to 60 s for a message, and redis-py 8.2's PubSubWorkerThread.stop()
+            # waits for that thread: when the thread had read the unsubscribe of RQ's teardown
+            # before stop() asked it to end, it waited out those 60 s before the worker could
+            # exit (5 of 25 stops under load). This one waits at most STOP_CHECK_S.
+            self.pubsub = self.connection.pubsub()
+            self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+            self.pubsub_thread = self.pubsub.run_in_thread(
+                sleep_time=STOP_CHECK_S, daemon=True,
+                exception_handler=getattr(self, "_pubsub_exception_handler", None))
+
         def _install_signal_handlers(self):
             # RQ registers the worker before it installs its handlers; a SIGTERM in between
             # (ours, below, caught it) must still end in RQ's clean stop, which deregisters

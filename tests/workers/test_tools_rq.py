@@ -6,6 +6,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -372,3 +373,33 @@ def test_a_stop_that_lands_just_as_a_job_is_taken_runs_the_job_first(redis_url, 
     assert p.returncode == 0, p.stderr[-2000:]
     job = Job.fetch(job_id, connection=redis_client, serializer=JSONSerializer)
     assert job.get_status() == JobStatus.FINISHED, (job.get_status(), p.stderr[-2000:])
+
+
+def test_an_idle_tool_worker_stops_at_once_even_when_its_rq_listener_saw_the_unsubscribe(
+        redis_url, namespace):
+    """RQ's teardown unsubscribes its command listener and then stops its thread; a thread that
+    read the unsubscribe first waited for a message again, and redis-py's stop() waits for the
+    thread: the worker took the listener's whole wait (60 s in RQ) to exit. Made certain here:
+    the child pauses after sending the unsubscribe, so its listener is waiting again when stop
+    comes. SIGTERM at 1 s; the worker must be gone well before 60 s."""
+    child = (
+        "import os, signal, sys, threading, time\n"
+        "import redis.client\n"
+        "send = redis.client.PubSub.unsubscribe\n"
+        "def unsubscribe(self, *args):\n"
+        "    out = send(self, *args)\n"
+        "    time.sleep(0.5)  # the listener reads the reply and waits again meanwhile\n"
+        "    return out\n"
+        "redis.client.PubSub.unsubscribe = unsubscribe\n"
+        "threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
+        "from broker.cli import app\n"
+        "sys.argv = ['rollout-broker', 'tools', '--redis-url', sys.argv[1], '--namespace', sys.argv[2]]\n"
+        "app()\n"
+    )
+    started = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", child, redis_url, namespace], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                       text=True, timeout=80)
+    took = time.monotonic() - started
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert took < 30, f"the tool worker took {took:.1f}s to stop"
