@@ -119,9 +119,9 @@ def test_rq_queues_are_per_namespace(redis_url, redis_client):
 
 def test_a_tool_worker_stopped_while_rq_registers_it_leaves_no_registration(redis_url, namespace):
     """RQ registers a worker before it installs its signal handlers; a SIGTERM in between
-    (here made certain by slowing RQ's subscribe step, which sits in that window) must still end
-    in RQ's clean stop, or the registration outlives the process by RQ's worker TTL and the
-    `tools` probe calls a dead worker healthy."""
+    (here made certain by slowing the subscribe of RQ's command listener, which sits in that
+    window) must still end in RQ's clean stop, or the registration outlives the process by
+    RQ's worker TTL and the `tools` probe calls a dead worker healthy."""
     import signal
     import time
 
@@ -131,13 +131,13 @@ def test_a_tool_worker_stopped_while_rq_registers_it_leaves_no_registration(redi
     root = Path(__file__).resolve().parents[2]
     child = (
         "import sys, time\n"
-        "import rq.worker.base as base\n"
-        "subscribe = base.BaseWorker.subscribe\n"
-        "def slow(self):\n"
+        "import redis.client\n"
+        "subscribe = redis.client.PubSub.subscribe\n"
+        "def slow(self, *args, **kwargs):\n"
         "    print('registered', flush=True)\n"
         "    time.sleep(2.0)\n"
-        "    subscribe(self)\n"
-        "base.BaseWorker.subscribe = slow\n"
+        "    return subscribe(self, *args, **kwargs)\n"
+        "redis.client.PubSub.subscribe = slow\n"
         "from broker.cli import app\n"
         "sys.argv = ['rollout-broker', 'tools', '--redis-url', sys.argv[1], '--namespace', sys.argv[2]]\n"
         "app()\n"
