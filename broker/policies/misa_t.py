@@ -18,6 +18,13 @@ Each `decide(snapshot)`:
    residency (a cohort admitted together holds its prompts and is charged its expected ends),
    that ratio is scaled up by how much more they will hold: ∫KV dt / ∫charge dt of finished
    sessions against the residents' context per charged token now.
+   Once every workload of the mixture has been seen and none is multi-turn, admission is open
+   instead: α_b is `open_alpha` (the trainer's in-flight bound binds first) and the engine's
+   own queue takes what does not fit, as behind a router. Without sessions parked between
+   turns an overfull engine evicts nothing a later turn needs, and vLLM preempts the request
+   it scheduled last, whose recompute mostly hits the prefix cache; held in the broker, a
+   session waits for the next heartbeat while freed KV idles. A multi-turn workload closes
+   admission for good, the loop's α taking over from where the reservations stand.
 4. Allocate: workload w may hold σ_w of Σ_b α_b·C_b, σ_w ∝ π_w·K_w with a deficit correction;
    idle shares are lent, and lending stops (never preempts) once an owner has pending work.
    An owner below its share whose oldest session fits nowhere keeps the backend closest to
@@ -117,6 +124,15 @@ class MisaTConfig:
     # engine step time per recomputed token and per (query, key) pair of that recompute.
     prefill_s_per_token: float = 11e-6
     prefill_s_per_pair: float = 1.8e-9
+    # Open admission (docs/misa-t.md §2, step 3): once every workload of the mixture has been
+    # seen and none is multi-turn, each backend admits up to `open_alpha`·C_b (the trainer's
+    # in-flight bound binds first) and its engine queues what does not fit. Nothing is parked
+    # between turns then, so the cache holds nothing that a preemption or an eviction would
+    # cost a later turn, and vLLM preempts the request it scheduled last, whose recompute
+    # mostly hits the prefix cache; holding sessions back in the broker only leaves freed KV
+    # idle until the next heartbeat.
+    open_single_turn: bool = True
+    open_alpha: float = 100.0
     aimd: AimdParams = field(default_factory=AimdParams)
     predictors: PredictorParams = field(default_factory=PredictorParams)
 
@@ -193,6 +209,8 @@ class MisaT(Policy):
         self._states: list[BackendState] = []
         self._out: list[BackendState] = []
         self._redo: set[str] = set()
+        self._open = False  # admission open this call (`_opens`)
+        self._multi_turn_seen = False  # a workload with max_turns > 1 was seen (`_opens`)
 
     # -- predictions (misa_t-true-lengths overrides these two) ------------------------------------
     def admission_output(self, s: PendingItem | ResidentSession) -> float:
@@ -253,6 +271,10 @@ class MisaT(Policy):
         happened, and a fleet of hundreds is not walked on every call."""
         views = snapshot.backends
         todo = self._moved_positions(views)
+        opened = self._opens(snapshot)
+        if opened != self._open:
+            self._open = opened
+            todo = None  # every backend's limit changes
         self._redo.clear()
         next_charge = self._smallest_head_charge(snapshot.pending)
         moved: list[BackendState] = []  # states whose values changed since the last call
@@ -307,6 +329,29 @@ class MisaT(Policy):
                 todo.add(i)
         return sorted(todo)
 
+    def _opens(self, snapshot: Snapshot) -> bool:
+        """Whether admission is open this call: every workload of the mixture has been seen
+        (a workload's kind is that of the first session seen of it: its `WorkloadModel`, the
+        head of its queue, or on the first call a resident) and none runs more than one turn.
+        A multi-turn workload closes it for good: its histories sit in the prefix cache between
+        turns, where over-admission evicts them, and its returning turns are the requests vLLM
+        preempts first. One not seen yet keeps it closed: its kind is unknown."""
+        if not (self.config.open_single_turn and self.config.adaptive_admission):
+            return False
+        if not self._multi_turn_seen:
+            for items in snapshot.pending.values():
+                if items:
+                    head = items[0]
+                    self._model(head.workload, head.max_tokens, head.max_turns)
+            if self._views is None:
+                for v in snapshot.backends:
+                    for r in v.sessions:
+                        self._model(r.workload, r.max_tokens, r.max_turns)
+            self._multi_turn_seen = any(m.max_turns > 1 for m in self.models.values())
+        if self._multi_turn_seen:
+            return False
+        return all(w in self.models for w, pi in snapshot.mixture_target.items() if pi > 0)
+
     def _smallest_head_charge(self, pending: Mapping[str, Sequence[PendingItem]]) -> float | None:
         """The smallest charge among the sessions next in line to start (each workload's oldest
         first turn; follow-up turns go home whatever α says); None when none waits."""
@@ -336,12 +381,16 @@ class MisaT(Policy):
         if (not fresh and booked is not None and booked.sessions is view.sessions
                 and booked.capacity_tokens == view.capacity_tokens
                 and booked.max_model_len == view.max_model_len):
-            # Nothing moved here since the last call: the same sums, α and prefix horizon.
-            alpha = self.alpha[b]
+            # Nothing moved here since the last call: the same sums, α and prefix horizon (the
+            # limit moves only when admission opens or closes).
+            alpha = self.config.open_alpha if self._open else self.alpha[b]
             state = booked.state
             state.view = view
-            if state.reserved != booked.reserved or state.running != booked.in_flight:
+            limit = alpha * view.capacity_tokens
+            if (state.reserved != booked.reserved or state.running != booked.in_flight
+                    or state.limit != limit):
                 state.reserved, state.running = booked.reserved, booked.in_flight  # placed on
+                state.limit = limit
                 moved.append(state)
         else:
             self.prefix.sync_backend(b, view.capacity_tokens)
@@ -349,6 +398,13 @@ class MisaT(Policy):
             booked = self._charge_residents(view, now, fresh, decision)
             alpha = self._adapt_alpha(view, fresh, next_charge, booked.reserved,
                                       booked.growth, now)
+            if self._open:
+                # While admission is open the loop's α follows the reservations, so that it
+                # closes where the ledger stands instead of far below it.
+                aimd = self.config.aimd
+                self.alpha[b] = min(aimd.alpha_max, max(
+                    aimd.alpha_min, booked.reserved / view.capacity_tokens, alpha))
+                alpha = self.config.open_alpha
             state = booked.state
             state.limit = alpha * view.capacity_tokens
             moved.append(state)
@@ -445,7 +501,8 @@ class MisaT(Policy):
         if not cfg.adaptive_admission:
             first = 1.0  # the ledger's own meaning: reservations may reach C_b
         else:
-            first = view.alpha if view.alpha > 0 else 1.0
+            # (capped: the ledger holds open_alpha while admission was open)
+            first = min(view.alpha, cfg.aimd.alpha_max) if view.alpha > 0 else 1.0
         alpha = self.alpha.setdefault(b, first)
         calm_since = self._calm_since.setdefault(b, now)
         hb = view.telemetry

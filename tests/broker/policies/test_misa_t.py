@@ -76,7 +76,7 @@ def completion(sid, *, workload="rlhf", out=500, turns=1, tool_wait=0.0, kv_s=1e
 # -- adaptive admission (AIMD) ---------------------------------------------------------------
 
 def test_aimd_backs_off_on_a_preemption() -> None:
-    policy = make_policy("misa_t")
+    policy = make_policy("misa_t", open_single_turn=False)  # (the loop, on single-turn sessions)
     full = resident("r", reserved=95_000)
     policy.decide(snap([view("a", full, telemetry=hb(1.0, preemptions=3))]))
     before = policy.alpha["a"]
@@ -171,7 +171,8 @@ def test_usage_ratio_follows_what_the_engine_holds_per_token_charged() -> None:
 def test_alpha_overbooks_until_the_engine_reports_its_target_usage() -> None:
     """Reservations twice what the engine holds: α rises to about kv_target/ρ (1.94), far past
     1, and admissions follow; the same engine at 95% never lets α grow."""
-    policy = make_policy("misa_t", residency_accounting=False)  # static charges of 1,100
+    policy = make_policy("misa_t", residency_accounting=False,  # static charges of 1,100
+                         open_single_turn=False)
     residents = [resident("r", reserved=95_000)]
     items = [pending(f"p{i}", at=float(i)) for i in range(400)]
     alpha = 1.0
@@ -186,7 +187,7 @@ def test_alpha_overbooks_until_the_engine_reports_its_target_usage() -> None:
     target = AimdParams().kv_target / 0.5
     assert alpha == pytest.approx(target, rel=0.02)
     assert sum(r.reserved_tokens for r in residents) > 1.8 * CAP
-    exact = make_policy("misa_t", residency_accounting=False)
+    exact = make_policy("misa_t", residency_accounting=False, open_single_turn=False)
     alpha = 0.95
     for t in range(1, 30):  # what it charges is exactly what the engine holds: ρ = 1
         d = exact.decide(snap([view("a", resident("r", reserved=95_000), alpha=alpha,
@@ -268,13 +269,14 @@ def test_young_residents_scale_the_usage_ratio_by_how_much_more_they_will_hold()
     (what the engine would hold once they have), where the measured ρ alone puts it past
     the guard of 4. Residents already holding more than half say nothing more than ρ does."""
     p = AimdParams()
-    anticipating, blind = make_policy("misa_t"), make_policy("misa_t", anticipate_growth=False)
+    anticipating = make_policy("misa_t", open_single_turn=False)
+    blind = make_policy("misa_t", anticipate_growth=False, open_single_turn=False)
     for policy in (anticipating, blind):
         learned(policy, ratio=0.5)
     # after 16 completions of 500 tokens a fresh session is charged 100 + 500 = 600
     assert grow_alpha(anticipating, context=120) == pytest.approx(p.kv_target / 0.5, rel=0.02)
     assert grow_alpha(blind, context=120) == pytest.approx(p.alpha_max)
-    older = make_policy("misa_t")
+    older = make_policy("misa_t", open_single_turn=False)
     learned(older, ratio=0.5)
     assert grow_alpha(older, context=480) == pytest.approx(p.kv_target / 0.8, rel=0.02)
 
@@ -295,11 +297,73 @@ def test_growth_within_the_noise_of_a_few_residents_is_not_scaled() -> None:
 
 
 def test_admits_only_while_reservations_fit_alpha_times_capacity() -> None:
-    policy = make_policy("misa_t-residency")  # static charge prompt + max_tokens = 1,100
+    # static charge prompt + max_tokens = 1,100; the ledger's α, not open admission
+    policy = make_policy("misa_t-residency", open_single_turn=False)
     items = [pending(f"s{i}", at=float(i)) for i in range(200)]
     d = policy.decide(snap([view("a", alpha=0.5, capacity=10_000)], items))
     assert len(d.admissions) == 4  # 4 × 1,100 ≤ 5,000 < 5 × 1,100
     assert sum(a.reserved_tokens for a in d.admissions) <= 5_000
+
+
+
+# -- open admission ---------------------------------------------------------------------------
+
+def _full_backend(t: float, *, preemptions: int = 0) -> BackendView:
+    """A backend whose ledger is full at α = 1 (no session of 1,100 fits) and whose engine is
+    busy (a heartbeat may say it just preempted)."""
+    return view("a", resident("r", reserved=99_500), telemetry=hb(t, usage=0.99,
+                                                                   preemptions=preemptions))
+
+
+def test_a_single_turn_mixture_is_admitted_to_the_engine_past_the_loops_alpha() -> None:
+    """With no multi-turn workload nothing sits in the cache between turns for an overfull
+    engine to evict: every pending session goes to the engine (its queue holds what does not
+    fit) and the ledger's α is open_alpha, whatever the loop would say (here it backs off).
+    Static charges (no residency accounting) keep the resident where it is."""
+    items = [pending(f"p{i}", at=float(i)) for i in range(50)]
+    for name, opened in (("misa_t", True), ("misa_t", False), ("misa_t-admission", True)):
+        policy = make_policy(name, residency_accounting=False, open_single_turn=opened)
+        first = policy.decide(snap([_full_backend(1.0, preemptions=1)], items))
+        d = policy.decide(snap([_full_backend(2.0, preemptions=2)], items, now=2.0))
+        if name == "misa_t" and opened:
+            assert first.alpha["a"] == d.alpha.get("a", first.alpha["a"]) == MisaTConfig().open_alpha
+            assert len(first.admissions) == len(d.admissions) == 50
+        else:  # the loop backs off; without it (the ablation) α stays the ledger's 1
+            assert first.admissions == d.admissions == []
+            assert d.alpha.get("a", 1.0) < 1.0 if name == "misa_t" else "a" not in d.alpha
+    # a workload of the mixture not seen yet may be multi-turn: closed until it shows
+    unseen = make_policy("misa_t", residency_accounting=False)
+    d = unseen.decide(snap([_full_backend(1.0)], items, target={"rlhf": 0.8, "agentic": 0.2}))
+    assert d.admissions == [] and "a" not in d.alpha
+
+
+def test_a_multi_turn_workload_closes_admission_for_good_where_the_ledger_stands() -> None:
+    """The first multi-turn session seen closes admission, for the rest of the run: the loop's
+    α then starts from the reservations (capped at alpha_max), not far below them, so the
+    backend is not left to drain before it admits again. (Static charges: the residents stay
+    charged what the ledger says.)"""
+    p = AimdParams()
+    policy = make_policy("misa_t", residency_accounting=False)
+    residents = [resident(f"r{i}", reserved=10_000) for i in range(25)]  # 2.5·C charged
+    full = 0.995  # the engine is full: the loop backs off by backoff_high on each heartbeat
+    single = [pending(f"p{i}", at=float(i)) for i in range(5)]
+    d = policy.decide(snap([view("a", *residents, telemetry=hb(1.0, usage=full))], single))
+    assert d.alpha["a"] == MisaTConfig().open_alpha and len(d.admissions) == 5
+    agentic = pending("g", workload="agentic", max_turns=4, at=9.0)
+    mix = {"rlhf": 0.5, "agentic": 0.5}
+    d = policy.decide(snap([view("a", *residents, alpha=100.0, telemetry=hb(2.0, usage=full))],
+                           [*single, agentic], now=2.0, target=mix))
+    assert d.admissions == []
+    assert d.alpha["a"] == pytest.approx(2.5 * p.backoff_high)  # from where the ledger stands
+    # gone from the queue, the multi-turn workload keeps admission closed
+    d = policy.decide(snap([view("a", *residents, alpha=d.alpha["a"],
+                                 telemetry=hb(3.0, usage=full))], single, now=3.0, target=mix))
+    assert d.admissions == [] and d.alpha["a"] < 2.5
+    many = [resident(f"r{i}", reserved=10_000) for i in range(60)]  # 6·C: capped
+    fresh = make_policy("misa_t", residency_accounting=False)
+    # a restarted broker with the ledger at open_alpha, before any heartbeat reaches it
+    d = fresh.decide(snap([view("a", *many, alpha=100.0)], [agentic], target=mix))
+    assert d.alpha["a"] == pytest.approx(p.alpha_max) and d.admissions == []
 
 
 
@@ -733,7 +797,7 @@ def test_sums_kept_for_an_unchanged_backend_give_the_decisions_of_summing_again(
     what it gets."""
     import random
     rng = random.Random(3)
-    kept, summed = MisaT(), MisaT()
+    kept, summed = MisaT(open_single_turn=False), MisaT(open_single_turn=False)  # α binds
     residents: dict[str, list[ResidentSession]] = {b: [] for b in "abcd"}
     tuples: dict[str, tuple[ResidentSession, ...]] = {}
     beats: dict[str, Telemetry] = {}
@@ -778,9 +842,10 @@ def test_accounting_kept_across_calls_decides_as_accounting_every_backend_again(
     """MisaT keeps each backend's sums, its working state and the placement across calls and
     redoes only what moved. Fed what the broker's ViewCache hands back (the very same view
     while a backend is unchanged) through re-charges, refused admissions, heartbeats, new cache
-    sizes, health changes and backends leaving and coming back, it must decide as a policy fed
-    fresh copies of everything (which accounts every backend again on every call, over a new
-    placement), and its per-workload total must be what the ledger charges."""
+    sizes, health changes, backends leaving and coming back, and admission closing (open while
+    the mixture is single-turn, closed once a multi-turn workload joins it), it must decide as
+    a policy fed fresh copies of everything (which accounts every backend again on every call,
+    over a new placement), and its per-workload total must be what the ledger charges."""
     import random
     rng = random.Random(n)
     kept, again = MisaT(), MisaT()
@@ -830,6 +895,10 @@ def test_accounting_kept_across_calls_decides_as_accounting_every_backend_again(
         shown = [views[b] for b in ids if b in present]
         copies = [dataclasses.replace(v, sessions=tuple(list(v.sessions))) for v in shown]
         items = grpo_pairs(rng, step, now)
+        if step >= 75:  # a multi-turn workload joins the mixture: admission closes
+            mix = {"rlhf": 0.4, "rlvr": 0.4, "agentic": 0.2}
+            if step % 5 == 0:
+                items.append(pending(f"a{step}", workload="agentic", max_turns=3, at=now))
         # A follow-up turn (router mode) goes home, whatever the limits; here to the emptiest
         # backend, where a new group would go but for it.
         home = min((v for v in shown if v.healthy), key=lambda v: v.reserved_tokens, default=None)
