@@ -335,7 +335,8 @@ class MisaT(Policy):
         head of its queue, or on the first call a resident) and none runs more than one turn.
         A multi-turn workload closes it for good: its histories sit in the prefix cache between
         turns, where over-admission evicts them, and its returning turns are the requests vLLM
-        preempts first. One not seen yet keeps it closed: its kind is unknown."""
+        preempts first. One not seen yet keeps it closed: its kind is unknown; so does a
+        trainer that has set no mixture (the workloads to come are not known)."""
         if not (self.config.open_single_turn and self.config.adaptive_admission):
             return False
         if not self._multi_turn_seen:
@@ -350,7 +351,8 @@ class MisaT(Policy):
             self._multi_turn_seen = any(m.max_turns > 1 for m in self.models.values())
         if self._multi_turn_seen:
             return False
-        return all(w in self.models for w, pi in snapshot.mixture_target.items() if pi > 0)
+        declared = [w for w, pi in snapshot.mixture_target.items() if pi > 0]
+        return bool(declared) and all(w in self.models for w in declared)
 
     def _smallest_head_charge(self, pending: Mapping[str, Sequence[PendingItem]]) -> float | None:
         """The smallest charge among the sessions next in line to start (each workload's oldest

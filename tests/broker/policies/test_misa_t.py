@@ -332,9 +332,13 @@ def test_a_single_turn_mixture_is_admitted_to_the_engine_past_the_loops_alpha() 
             assert first.admissions == d.admissions == []
             assert d.alpha.get("a", 1.0) < 1.0 if name == "misa_t" else "a" not in d.alpha
     # a workload of the mixture not seen yet may be multi-turn: closed until it shows
-    unseen = make_policy("misa_t", residency_accounting=False)
-    d = unseen.decide(snap([_full_backend(1.0)], items, target={"rlhf": 0.8, "agentic": 0.2}))
-    assert d.admissions == [] and "a" not in d.alpha
+    # (and so may any workload to come when the trainer has set no mixture)
+    for target in ({"rlhf": 0.8, "agentic": 0.2}, {}):
+        unseen = make_policy("misa_t", residency_accounting=False)
+        d = unseen.decide(Snapshot(now=0.0, pending={"rlhf": tuple(items)},
+                                   backends=(_full_backend(1.0),), mixture_target=target,
+                                   consumed={}, new_completions=()))
+        assert d.admissions == [] and "a" not in d.alpha
 
 
 def test_a_multi_turn_workload_closes_admission_for_good_where_the_ledger_stands() -> None:
