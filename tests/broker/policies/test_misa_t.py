@@ -305,7 +305,6 @@ def test_admits_only_while_reservations_fit_alpha_times_capacity() -> None:
     assert sum(a.reserved_tokens for a in d.admissions) <= 5_000
 
 
-
 # -- open admission ---------------------------------------------------------------------------
 
 def _full_backend(t: float, *, preemptions: int = 0) -> BackendView:
@@ -368,7 +367,6 @@ def test_a_multi_turn_workload_closes_admission_for_good_where_the_ledger_stands
     # a restarted broker with the ledger at open_alpha, before any heartbeat reaches it
     d = fresh.decide(snap([view("a", *many, alpha=100.0)], [agentic], target=mix))
     assert d.alpha["a"] == pytest.approx(p.alpha_max) and d.admissions == []
-
 
 
 # -- residency-time-aware accounting --------------------------------------------------------
