@@ -210,7 +210,7 @@ class MisaT(Policy):
         self._out: list[BackendState] = []
         self._redo: set[str] = set()
         self._open = False  # admission open this call (`_opens`)
-        self._multi_turn_seen = False  # a workload with max_turns > 1 was seen (`_opens`)
+        self._multi_turn_seen = False  # a workload's model has max_turns > 1 (`_opens`)
 
     # -- predictions (misa_t-true-lengths overrides these two) ------------------------------------
     def admission_output(self, s: PendingItem | ResidentSession) -> float:
@@ -246,6 +246,7 @@ class MisaT(Policy):
         if model is None:
             model = WorkloadModel(max_tokens, max_turns, self.config.predictors)
             self.models[workload] = model
+            self._multi_turn_seen |= max_turns > 1
         return model
 
     def _learn(self, c: Completion) -> None:
@@ -271,12 +272,12 @@ class MisaT(Policy):
         happened, and a fleet of hundreds is not walked on every call."""
         views = snapshot.backends
         todo = self._moved_positions(views)
+        self._redo.clear()
+        next_charge = self._smallest_head_charge(snapshot.pending)  # (models for the heads)
         opened = self._opens(snapshot)
         if opened != self._open:
             self._open = opened
             todo = None  # every backend's limit changes
-        self._redo.clear()
-        next_charge = self._smallest_head_charge(snapshot.pending)
         moved: list[BackendState] = []  # states whose values changed since the last call
         if todo is None:  # the first call, or backends joined, left or were reordered
             states = self._states = [self._account_backend(view, next_charge, snapshot.now,
@@ -336,19 +337,14 @@ class MisaT(Policy):
         A multi-turn workload closes it for good: its histories sit in the prefix cache between
         turns, where over-admission evicts them, and its returning turns are the requests vLLM
         preempts first. One not seen yet keeps it closed: its kind is unknown; so does a
-        trainer that has set no mixture (the workloads to come are not known)."""
+        trainer that has set no mixture (the workloads to come are not known). Called after
+        `_smallest_head_charge`, which has made the models of the queues' heads."""
         if not (self.config.open_single_turn and self.config.adaptive_admission):
             return False
-        if not self._multi_turn_seen:
-            for items in snapshot.pending.values():
-                if items:
-                    head = items[0]
-                    self._model(head.workload, head.max_tokens, head.max_turns)
-            if self._views is None:
-                for v in snapshot.backends:
-                    for r in v.sessions:
-                        self._model(r.workload, r.max_tokens, r.max_turns)
-            self._multi_turn_seen = any(m.max_turns > 1 for m in self.models.values())
+        if self._views is None and not self._multi_turn_seen:  # a restarted broker's residents
+            for v in snapshot.backends:
+                for r in v.sessions:
+                    self._model(r.workload, r.max_tokens, r.max_turns)
         if self._multi_turn_seen:
             return False
         declared = [w for w, pi in snapshot.mixture_target.items() if pi > 0]
@@ -385,7 +381,7 @@ class MisaT(Policy):
                 and booked.max_model_len == view.max_model_len):
             # Nothing moved here since the last call: the same sums, α and prefix horizon (the
             # limit moves only when admission opens or closes).
-            alpha = self.config.open_alpha if self._open else self.alpha[b]
+            alpha = self._ledger_alpha(b)
             state = booked.state
             state.view = view
             limit = alpha * view.capacity_tokens
@@ -398,15 +394,8 @@ class MisaT(Policy):
             self.prefix.sync_backend(b, view.capacity_tokens)
             self._max_len = min(self._max_len, view.max_model_len)
             booked = self._charge_residents(view, now, fresh, decision)
-            alpha = self._adapt_alpha(view, fresh, next_charge, booked.reserved,
-                                      booked.growth, now)
-            if self._open:
-                # While admission is open the loop's α follows the reservations, so that it
-                # closes where the ledger stands instead of far below it.
-                aimd = self.config.aimd
-                self.alpha[b] = min(aimd.alpha_max, max(
-                    aimd.alpha_min, booked.reserved / view.capacity_tokens, alpha))
-                alpha = self.config.open_alpha
+            self._adapt_alpha(view, fresh, next_charge, booked.reserved, booked.growth, now)
+            alpha = self._ledger_alpha(b)
             state = booked.state
             state.limit = alpha * view.capacity_tokens
             moved.append(state)
@@ -494,9 +483,9 @@ class MisaT(Policy):
         return factor if factor >= 1.0 + self.config.growth_noise_band / math.sqrt(n) else 1.0
 
     def _adapt_alpha(self, view: BackendView, fresh: bool, next_charge: float | None,
-                     reserved: float, growth: float, now: float) -> float:
-        """α_b after this heartbeat (AIMD on the engine's own signals when it is fresh); the
-        loop reads ρ_b scaled by `growth` (`_growth`)."""
+                     reserved: float, growth: float, now: float) -> None:
+        """Set the loop's α_b after this heartbeat (AIMD on the engine's own signals when it
+        is fresh); the loop reads ρ_b scaled by `growth` (`_growth`)."""
         cfg = self.config
         b = view.backend_id
         # A restarted broker resumes from the ledger's α; without AIMD α is a constant.
@@ -522,8 +511,17 @@ class MisaT(Policy):
                 if cfg.aimd.backed_off(hb, before):
                     self._calm_since[b] = hb.at
             self._last_hb[b] = hb
+        if self._open:
+            # While admission is open the loop's α follows the reservations, so that it
+            # closes where the ledger stands instead of far below it.
+            alpha = min(cfg.aimd.alpha_max,
+                        max(cfg.aimd.alpha_min, reserved / view.capacity_tokens, alpha))
         self.alpha[b] = alpha
-        return alpha
+
+    def _ledger_alpha(self, b: str) -> float:
+        """The α the ledger holds for backend b: `open_alpha` while admission is open, else
+        the loop's."""
+        return self.config.open_alpha if self._open else self.alpha[b]
 
     def _recharge(
         self, s: ResidentSession, view: BackendView, now: float, decision: Decision
