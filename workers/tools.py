@@ -531,12 +531,17 @@ class RqExecutor:
         self._poller: asyncio.Task | None = None
         self._listener: asyncio.Task | None = None
 
-    def _enqueue(self, queue: str, fn: Callable, payload: dict) -> str:
+    def _enqueue(self, queue: str, what: str, fn: Callable, payload: dict) -> str:
         from rq import Callback, Retry
 
+        # A description of our own: RQ's default is the call's repr, the whole payload (the
+        # conversation so far) a second time, built here, stored and sent back and forth with
+        # the job (`rq info` shows it).
         job = self._queues[queue].enqueue_call(
             fn, args=(pack_token_fields(payload),), timeout=max(1, math.ceil(self.timeout_s)),
             result_ttl=300, failure_ttl=self.failure_ttl_s, meta={"reply_to": self._replies},
+            description=f"{what}, session {payload.get('session_id')}"
+                        + (f", turn {payload['turn']}" if "turn" in payload else ""),
             on_success=Callback(reply_to_caller),
             retry=Retry(max=self.retries) if self.retries > 0 else None)
         return job.id
@@ -545,7 +550,7 @@ class RqExecutor:
         # Past every attempt's RQ timeout plus slack: no tool worker is taking the jobs.
         deadline = time.monotonic() + self.timeout_s * (self.retries + 1) + 30.0
         try:  # a Redis outage is waited out, up to the call's own deadline
-            job_id = await asyncio.to_thread(self._outage.call, self._enqueue, queue, fn,
+            job_id = await asyncio.to_thread(self._outage.call, self._enqueue, queue, what, fn,
                                              payload, deadline=deadline)
         except Exception as exc:
             if not is_outage(exc):

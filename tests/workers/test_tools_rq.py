@@ -109,7 +109,7 @@ def test_rq_queues_are_per_namespace(redis_url, redis_client):
     ex = RqExecutor(redis_url, "job-a", timeout_s=1.0)
     try:
         before = redis_client.llen("rq:queue:rb-job-a-tools")
-        ex._enqueue("rb-job-a-tools", run_tool, call("sim").model_dump())
+        ex._enqueue("rb-job-a-tools", "tool sim", run_tool, call("sim").model_dump())
         assert redis_client.llen("rq:queue:rb-job-a-tools") == before + 1
         assert not redis_client.exists("rq:queue:rb-job-b-tools")
     finally:
@@ -247,6 +247,29 @@ def test_token_ids_travel_packed_and_reach_the_function_as_lists():
         tools.unpack_token_fields({"history_token_ids": "not packed!"})
 
 
+def test_a_job_stores_its_payload_once_and_describes_itself_in_a_line(redis_url, namespace,
+                                                                     redis_client):
+    """RQ's default description is the call's repr: the whole conversation a second time in the
+    job, built by the GPU worker and sent back and forth with it. Ours names the call."""
+    from rq.job import Job
+
+    from workers import tools
+
+    c = call("sim", turn=1).model_dump()
+    c["history_token_ids"] = list(range(0, 2_000_000, 401))
+    ex = RqExecutor(redis_url, namespace)
+    try:
+        job_id = ex._enqueue(ex._tools_queue, "tool sim", tools.run_tool, c)
+        job = Job.fetch(job_id, connection=redis_client, serializer=ex._serializer)
+        assert job.description == "tool sim, session s1, turn 1"
+        stored = redis_client.hgetall(Job.key_for(job_id))
+        payload = len(stored[b"data"])
+        assert sum(len(v) for k, v in stored.items() if k != b"data") < payload / 4
+    finally:
+        tools.purge_tool_queues(redis_client, namespace)
+        asyncio.run(ex.aclose())
+
+
 def test_a_tool_worker_takes_10_round_trips_a_job(redis_url, namespace, monkeypatch):
     """RQ's SimpleWorker takes 21 round trips to Redis per job (heartbeats as three single
     commands, three a job; the state written twice; a suspension check before each); the tool
@@ -265,7 +288,7 @@ def test_a_tool_worker_takes_10_round_trips_a_job(redis_url, namespace, monkeypa
 
     def burst(jobs: int) -> int:
         for _ in range(jobs):
-            ex._enqueue(ex._tools_queue, run_tool, call("sim").model_dump())
+            ex._enqueue(ex._tools_queue, "tool sim", run_tool, call("sim").model_dump())
         sends["n"] = 0
         monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
         try:
@@ -294,7 +317,7 @@ def test_a_suspended_tool_worker_takes_no_job(redis_url, namespace, redis_client
     ex = RqExecutor(redis_url, namespace, timeout_s=10.0)
     queue = Queue(ex._tools_queue, connection=redis_client, serializer=JSONSerializer)
     try:
-        job_id = ex._enqueue(ex._tools_queue, run_tool, call("sim").model_dump())
+        job_id = ex._enqueue(ex._tools_queue, "tool sim", run_tool, call("sim").model_dump())
         suspend(redis_client)
         try:
             run_tool_worker(redis_url, load_registry(None), namespace, burst=True)
@@ -317,12 +340,12 @@ def test_purge_leaves_nothing_of_the_namespace_tool_queues(redis_url, namespace,
     ex = RqExecutor(redis_url, namespace, timeout_s=10.0)
     other = RqExecutor(redis_url, namespace + "x", timeout_s=10.0)  # must survive the purge
     try:
-        done = [ex._enqueue(ex._tools_queue, run_tool, call("sim").model_dump())
+        done = [ex._enqueue(ex._tools_queue, "tool sim", run_tool, call("sim").model_dump())
                 for _ in range(5)]
         run_tool_worker(redis_url, load_registry(None), namespace, burst=True)  # 5 finished
-        queued = [ex._enqueue(q, run_tool, call("sim").model_dump())
+        queued = [ex._enqueue(q, "tool sim", run_tool, call("sim").model_dump())
                   for q in (ex._tools_queue, ex._rewards_queue)]
-        kept = other._enqueue(other._tools_queue, run_tool, call("sim").model_dump())
+        kept = other._enqueue(other._tools_queue, "tool sim", run_tool, call("sim").model_dump())
         assert redis_client.llen(ex._replies) == 5
         assert purge_tool_queues(redis_client, namespace) == 7
         for job_id in done + queued:
@@ -350,7 +373,7 @@ def test_a_stop_that_lands_just_as_a_job_is_taken_runs_the_job_first(redis_url, 
 
     ex = RqExecutor(redis_url, namespace, timeout_s=10.0)
     try:
-        job_id = ex._enqueue(ex._tools_queue, run_tool, call("sim").model_dump())
+        job_id = ex._enqueue(ex._tools_queue, "tool sim", run_tool, call("sim").model_dump())
     finally:
         asyncio.run(ex.aclose())
     child = (
