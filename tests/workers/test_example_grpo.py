@@ -34,3 +34,17 @@ def test_the_async_grpo_example_trains_across_weight_updates(redis_url, namespac
         finally:
             broker.stop()
             worker.stop()
+
+
+def test_the_readme_shows_the_tested_loop_line_for_line():
+    """The README's training loop is a contiguous part of examples/async_grpo.py, which the
+    test above runs: an edit to one that is not made to the other fails here."""
+    readme = (EXAMPLE.parents[1] / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in readme.split("```python\n")[1:]]
+    loops = [b.splitlines() for b in blocks if "async def run(" in b]
+    assert len(loops) == 1, "the README shows one async GRPO loop"
+    loop, example = loops[0], EXAMPLE.read_text().splitlines()
+    assert len(loop) >= 40
+    starts = [i for i, line in enumerate(example) if line == loop[0]]
+    assert any(example[i:i + len(loop)] == loop for i in starts), \
+        "the README's loop is not a part of examples/async_grpo.py"
