@@ -164,6 +164,13 @@ class EngineWeights:
         self.version = version
         self._generating.set()
 
+    def stop_serving(self) -> None:
+        """The worker stops serving (it drains, or the weights of a resume could not be
+        loaded): turns waiting for a resume wake, send nothing more, and are handed back with
+        what they had."""
+        self.draining = True
+        self._generating.set()
+
     async def resumed(self) -> None:
         await self._generating.wait()
 
@@ -206,9 +213,9 @@ class SessionRunner:
         parts: list[Turn] = []
         prompt_ids: list[int] = []
         while True:
+            await self.weights.resumed()  # no new request while paused: it waits for the version
             if self.weights.draining:
                 raise _TurnCut(spans, prompt_ids if parts else None, prompt, done)
-            await self.weights.resumed()  # no new request while paused: it waits for the version
             epoch = self.weights.epoch
             version = self.weights.version_for(session)
             rec, ids = await self.complete(session, prompt, turn, max_tokens - done, len(parts),

@@ -267,7 +267,7 @@ class Worker:
         _, late = await asyncio.wait(tasks, timeout=self.settings.drain_grace_s)
         if not late:
             return
-        self.weights.draining = True
+        self.weights.stop_serving()
         paused = await self._engine_call(http, "/pause", {"mode": "abort"})
         _, stuck = await asyncio.wait(late, timeout=self.settings.handoff_s)
         for t in stuck:

@@ -243,6 +243,33 @@ def test_a_reply_that_arrives_while_the_worker_pauses_with_abort_is_read_after_t
     asyncio.run(go())
 
 
+def test_a_turn_waiting_for_a_resume_is_handed_back_when_the_worker_stops_serving():
+    """A worker that stops in a pause (its drain, or a weights hook that failed) wakes the turns
+    waiting for the resume: they send nothing to the paused engine and go back to the queue."""
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return httpx.Response(500)
+
+    async def go():
+        weights = EngineWeights()
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            runner = SessionRunner(http, "http://engine", "m", 1000, InlineExecutor(),
+                                   weights=weights)
+            weights.pause(1, "keep")
+            s = Session(session_id="x", workload="rlhf", prompt_token_ids=[1], max_tokens=4)
+            running = asyncio.create_task(runner.run(s))
+            await asyncio.sleep(0.05)
+            assert not running.done()  # waiting for the resume
+            weights.stop_serving()
+            return await asyncio.wait_for(running, 5)
+
+    with pytest.raises(EngineUnavailable, match="handed back before it started"):
+        asyncio.run(go())
+    assert calls == []
+
+
 def test_engine_info_reads_capacity_and_context(engine):
     info = read_engine_info(engine.url)
     assert info.capacity_tokens == 200_000 // 16 * 16
