@@ -221,6 +221,9 @@ def worker(
     engine_down_after: Annotated[float, typer.Option(help="seconds without an answer from the engine's /health before its sessions are handed back")] = 30.0,
     vocab_size: Annotated[Optional[int], typer.Option(help="the served vocabulary size, if the engine does not report it (token ids must be below it)")] = None,
     ready_timeout: Annotated[float, typer.Option(help="seconds to wait for the engine's /health")] = 600.0,
+    weights_hook: Annotated[Optional[str], typer.Option(
+        help="package.module:function that loads a policy version's weights into the engine, called with a WeightUpdate while the engine is paused, before it resumes on a new version (and at start when the namespace serves one); without it a resume only records the version",
+        envvar="RB_WEIGHTS_HOOK")] = None,
     metrics_port: Annotated[int, typer.Option(help="serve this process's Prometheus metrics on this port (0: off)", envvar="RB_METRICS_PORT")] = 0,
     log_level: Annotated[str, typer.Option(help="logging level", envvar="RB_LOG_LEVEL")] = "INFO",
 ) -> None:
@@ -247,7 +250,8 @@ def worker(
     try:
         run_worker(settings,
                    EngineOptions(spec=engine, time_scale=time_scale, kv_tokens=kv_tokens,
-                                 seed=seed, ready_timeout_s=ready_timeout),
+                                 seed=seed, ready_timeout_s=ready_timeout,
+                                 weights_hook=weights_hook),
                    ToolOptions(kind=tools, timeout_s=tool_timeout, retries=tool_retries,
                                config=tool_config, redis_url=tools_redis_url))
     except WorkerConfigError as exc:  # a bad option, named, before anything started

@@ -16,7 +16,7 @@ from broker.redis_conn import check_redis_url
 from sim.engine.profiles import check_engine_options, get_profile
 from workers.engine import EngineSpec, open_engine, vllm_command
 from workers.tools import load_registry, make_executor, tools_redis_url
-from workers.worker import Worker, WorkerSettings
+from workers.worker import Worker, WorkerSettings, load_weights_hook
 
 log = logging.getLogger("rollout_broker.worker")
 
@@ -28,6 +28,7 @@ class EngineOptions:
     kv_tokens: int | None = None  # sim engines: override the profile's KV capacity
     seed: int = 0
     ready_timeout_s: float = 600.0  # vLLM loads weights and captures graphs before /health
+    weights_hook: str | None = None  # 'package.module:function' loading a version's weights
 
 
 @dataclass(slots=True)
@@ -62,7 +63,8 @@ class WorkerConfigError(ValueError):
 
 def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptions) -> None:
     """Check the options (`WorkerConfigError` naming the bad one, before anything starts), open
-    the engine, serve until a signal, close the engine."""
+    the engine, serve until a signal, close the engine. SystemExit (status 1, saying why) when
+    the worker stopped by itself: its weights hook failed."""
     try:
         check_redis_url(settings.redis_url)
         spec = EngineSpec.parse(engine.spec)
@@ -80,6 +82,7 @@ def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptio
                 raise ValueError("engine: vllm: no `vllm` program beside this Python or on "
                                  "PATH; pip install vllm, or run the engine yourself and use "
                                  "attach:URL")
+        hook = load_weights_hook(engine.weights_hook)
         if tools.kind not in ("inline", "rq"):
             raise ValueError(f"tools: {tools.kind!r} must be 'inline' or 'rq'")
         # With rq the tool workers' registry is the one that counts; theirs is loaded there.
@@ -96,6 +99,9 @@ def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptio
         executor = make_executor(tools.kind, tools_url, settings.namespace,
                                  tools.timeout_s, tools.retries,
                                  registry)
-        asyncio.run(_serve(Worker(settings, handle.url, executor)))
+        worker = Worker(settings, handle.url, executor, hook)
+        asyncio.run(_serve(worker))
     finally:
         handle.close()
+    if worker.failure:  # it stopped by itself, its sessions handed back: say why, exit 1
+        raise SystemExit(f"worker {settings.backend_id}: {worker.failure}")

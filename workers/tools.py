@@ -292,7 +292,9 @@ BUILTIN_TOOLS: dict[str, Callable[[dict], dict]] = {"sim": sim_tool}
 BUILTIN_REWARDS: dict[str, Callable[[dict], float]] = {"parity": parity_scorer}
 
 
-def _import_callable(target: object, where: str) -> Callable:
+def import_callable(target: object, where: str) -> Callable:
+    """The function `target` names as 'package.module:function'; RegistryError (a ValueError)
+    naming `where` when it does not."""
     if not isinstance(target, str) or target.count(":") != 1:
         raise RegistryError(f"{where}: {target!r} must be 'package.module:function'")
     module, attr = target.split(":")
@@ -318,7 +320,7 @@ def load_registry(config: str | Path | None = None) -> ToolRegistry:
     for group, table in ((TOOL_ENTRY_POINTS, tools), (REWARD_ENTRY_POINTS, rewards)):
         for ep in entry_points(group=group):
             where = f"entry point {group}.{ep.name}"
-            table[_check_key(ep.name, where)] = _import_callable(ep.value, where)
+            table[_check_key(ep.name, where)] = import_callable(ep.value, where)
     if config:  # None or "" (an unset environment variable): no file
         path = Path(config)
         try:
@@ -338,7 +340,7 @@ def load_registry(config: str | Path | None = None) -> ToolRegistry:
                                     "key = \"package.module:function\"")
             for key, target in entries.items():
                 where = f"tool-config {section}.{key}"
-                table[_check_key(key, where)] = _import_callable(target, where)
+                table[_check_key(key, where)] = import_callable(target, where)
     return ToolRegistry(tools=tools, rewards=rewards)
 
 

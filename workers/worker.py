@@ -13,10 +13,12 @@ Asyncio tasks around one `WorkerLink` and one shared `httpx.AsyncClient`, and on
 - control: follows the namespace's weight-update orders (broker/weights.py) as they are
   written (a blocking read of the `control` stream): on a pause it marks the runner's
   `EngineWeights` paused, pauses the engine with vLLM's `POST /pause?mode=` and acknowledges;
-  on a resume it resumes the engine and records the new policy version, which every output
-  token generated from then on carries. A session whose request the pause aborted goes on
-  from what it had generated once generation resumes (workers/runner.py). A session the
-  trainer cancels while it runs here is stopped, and with it its engine request;
+  on a resume it loads a new version's weights with its weights hook, if it has one
+  (`--weights-hook`; `_load_weights`; also at start and when the engine comes back), resumes
+  the engine and records the new policy version, which every output token generated from then
+  on carries. A session whose request the pause aborted goes on from what it had generated
+  once generation resumes (workers/runner.py). A session the trainer cancels while it runs
+  here is stopped, and with it its engine request;
 - finish: publishes finished sessions in batches (`finish_many`: result + ledger release + ack),
   retrying a batch until Redis takes it. A session the engine could not serve (a broken
   connection, a timeout, 5xx after the retries) is handed back to be run again, an attempt
@@ -38,6 +40,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -63,9 +66,31 @@ from workers.runner import (
     RunnerSettings,
     SessionRunner,
 )
-from workers.tools import ToolExecutor, ToolUnavailable, describe_error
+from workers.tools import ToolExecutor, ToolUnavailable, describe_error, import_callable
 
 log = logging.getLogger("rollout_broker.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightUpdate:
+    """What a weights hook is given: load `version`'s weights into the engine at `engine_url`
+    (which serves `model`) for backend `backend_id`. The engine is paused while it runs."""
+
+    backend_id: str
+    engine_url: str
+    model: str
+    version: int
+
+
+WeightsHook = Callable[[WeightUpdate], object]
+
+
+def load_weights_hook(target: str | None) -> WeightsHook | None:
+    """The function `--weights-hook` names ('package.module:function'), or None without one;
+    ValueError naming the option when it cannot be imported."""
+    if not target:
+        return None
+    return import_callable(target, "weights-hook")
 
 
 @dataclass(slots=True)
@@ -99,8 +124,12 @@ class WorkerCounters:
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, engine_url: str, tools: ToolExecutor) -> None:
+    def __init__(self, settings: WorkerSettings, engine_url: str, tools: ToolExecutor,
+                 weights_hook: WeightsHook | None = None) -> None:
         self.settings = settings
+        self.weights_hook = weights_hook
+        self.failure: str | None = None  # why the worker stopped by itself (a weights hook)
+        self._stop: asyncio.Event | None = None
         self.engine_url = engine_url.rstrip("/")
         self.tools = tools
         self.link = WorkerLink(settings.redis_url, settings.namespace, settings.backend_id,
@@ -139,9 +168,16 @@ class Worker:
         """Serve until `stop` is set, then drain. Returns when everything is published or
         handed back."""
         s = self.settings
+        self._stop = stop
         self.info = await asyncio.to_thread(read_engine_info, self.engine_url)
-        await self._register()
         weights = await self._redis_until_ok(self.link.weights_state)
+        # The namespace serves a version already: its weights go in before anything is admitted
+        # here. (A pause from now on is in the control stream, read from `control_id`.)
+        if weights.version is not None and not await self._load_weights(weights.version):
+            self._io.shutdown(wait=True)
+            self.link.close()
+            return
+        await self._register()
         self.weights = EngineWeights(weights.version)
         limits = httpx.Limits(max_connections=s.max_connections,
                               max_keepalive_connections=min(256, s.max_connections))
@@ -228,10 +264,37 @@ class Worker:
         log.info("worker %s: engine paused (%s, pause %d)", self.settings.backend_id, mode, epoch)
 
     async def _resume_engine(self, http: httpx.AsyncClient, version: int) -> None:
+        if version != self.weights.version and not await self._load_weights(version):
+            return  # the engine stays paused; the worker hands its sessions back and stops
         await self._engine_call(http, "/resume", {})
         self.weights.resume(version)
         log.info("worker %s: engine resumed on policy version %d", self.settings.backend_id,
                  version)
+
+    async def _load_weights(self, version: int) -> bool:
+        """Run the weights hook for `version` while the engine is paused (or not yet serving
+        here). If it raises, the worker does not serve on weights it could not load: `failure`
+        says why, turns waiting for the resume are handed back with what they had, and the
+        worker stops (no grace) and withdraws. True when loaded, or without a hook."""
+        if self.weights_hook is None:
+            return True
+        assert self.info is not None
+        b = self.settings.backend_id
+        t0 = time.monotonic()
+        try:
+            await asyncio.to_thread(self.weights_hook,
+                                    WeightUpdate(b, self.engine_url, self.info.model, version))
+        except Exception as exc:
+            self.failure = (f"weights hook: could not load policy version {version}: "
+                            f"{describe_error(exc)}")
+            log.error("worker %s: %s; handing its sessions back and stopping", b, self.failure)
+            self.settings.drain_grace_s = 0.0  # the drain wakes the turns waiting for a resume
+            if self._stop is not None:
+                self._stop.set()
+            return False
+        log.info("worker %s: weights of policy version %d loaded (%.1f s)", b, version,
+                 time.monotonic() - t0)
+        return True
 
     async def _register(self) -> None:
         assert self.info is not None
@@ -492,6 +555,10 @@ class Worker:
 
     async def _engine_back(self) -> None:
         log.warning("worker %s: engine answers again; registering", self.settings.backend_id)
+        # It may have restarted on the weights it was started with: the version the namespace
+        # serves goes in again first.
+        if self.weights.version is not None and not await self._load_weights(self.weights.version):
+            return
         self.engine_up = True
         await self._register()
 

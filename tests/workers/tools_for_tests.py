@@ -24,3 +24,8 @@ def bad_scorer(call: dict) -> float:
 
 def exits(call: dict) -> dict:
     sys.exit(3)
+
+
+def missing_checkpoint(update) -> None:
+    """A weights hook (`--weights-hook tests.workers.tools_for_tests:missing_checkpoint`)."""
+    raise FileNotFoundError(f"/ckpt/step-{update.version} does not exist")
