@@ -190,6 +190,8 @@ class Worker:
             await self._scrape_once(http)
             if weights.paused:  # started during a weight update: join it
                 await self._pause_engine(http, weights.paused, weights.epoch)
+            else:  # an engine a stopped worker left paused (its hook failed) serves again
+                await self._resume_if_paused(http)
             watchers = [asyncio.create_task(self._scrape_loop(http), name="scrape"),
                         asyncio.create_task(self._watch_engine(http, stop), name="engine-watch"),
                         asyncio.create_task(self._control_loop(http, weights.control_id),
@@ -336,9 +338,23 @@ class Worker:
         for t in stuck:
             t.cancel()
         await asyncio.gather(*late, return_exceptions=True)
-        if paused:  # leave the engine serving for whoever uses it next
-            await self._engine_call(http, "/resume", {})
+        if paused and self.failure is None:  # leave the engine serving for whoever is next,
+            await self._engine_call(http, "/resume", {})  # unless its weights did not load
         self.counters.handed_back += len(late)
+
+    async def _resume_if_paused(self, http: httpx.AsyncClient) -> None:
+        """Resume the engine if it says it is paused (vLLM's `GET /is_paused`); an engine
+        without that endpoint, or one that does not answer, is left as it is."""
+        try:
+            r = await http.get(f"{self.engine_url}/is_paused",
+                               timeout=self.settings.health_timeout_s)
+            paused = r.status_code == 200 and r.json().get("is_paused") is True
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return
+        if paused:
+            log.warning("worker %s: the engine was paused with no weight update under way; "
+                        "resuming it", self.settings.backend_id)
+            await self._engine_call(http, "/resume", {})
 
     async def _engine_call(self, http: httpx.AsyncClient, path: str, params: dict,
                            timeout_s: float | None = None) -> bool:

@@ -101,6 +101,8 @@ def test_a_worker_starting_on_a_served_version_loads_it_before_it_is_admitted_an
 
 def test_a_failed_hook_hands_the_sessions_back_with_their_output_and_stops_the_worker(
         redis_url, namespace):
+    """The engine stays paused on weights that did not load; the next worker resumes it (the
+    namespace is not paused) and finishes the sessions from what they had."""
     hook = Hook(redis_url, namespace, fail_on=2)
     with running_engine(time_scale=10.0, kv_tokens=200_000) as e0:
         failing = WorkerThread(redis_url, namespace, "w0", e0.url, time_scale=10.0,
@@ -119,6 +121,7 @@ def test_a_failed_hook_hands_the_sessions_back_with_their_output_and_stops_the_w
             failure = failing.worker.failure or ""
             assert "policy version 2" in failure and "no checkpoint for step 2" in failure
             assert client.results(10, timeout=0.2) == []  # nothing published for them
+            assert httpx.get(f"{e0.url}/is_paused").json()["is_paused"]  # not on those weights
             rescue = WorkerThread(redis_url, namespace, "w1", e0.url, time_scale=10.0).start()
             got = collect(client, 4)
         finally:
