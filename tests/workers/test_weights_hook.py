@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -47,54 +48,52 @@ def healthy(client: RolloutClient, backend: str) -> bool:
     return bool(client.status()["backends"].get(backend, {}).get("healthy"))
 
 
-def test_a_new_version_is_loaded_while_the_engine_is_paused(redis_url, namespace):
-    hook = Hook(redis_url, namespace)
-    with running_engine(time_scale=10.0, kv_tokens=200_000) as e0:
-        worker = WorkerThread(redis_url, namespace, "w0", e0.url, time_scale=10.0,
+@contextmanager
+def fleet(redis_url: str, namespace: str, hook: Hook):
+    """One simulated engine, its worker "w0" with `hook`, a broker and a client, once the
+    worker is healthy: (engine, worker, client)."""
+    with running_engine(time_scale=10.0, kv_tokens=200_000) as engine:
+        worker = WorkerThread(redis_url, namespace, "w0", engine.url, time_scale=10.0,
                               weights_hook=hook).start()
         broker = BrokerThread(redis_url, namespace, make_policy("least_loaded")).start()
         client = RolloutClient(redis_url, namespace)
         try:
             assert wait_until(lambda: healthy(client, "w0"), timeout=30)
-            client.enqueue(long_sessions(4, "a"))
-            assert wait_until(lambda: engines_running([e0.url]) >= 1, timeout=30)
-            client.pause("abort")
-            assert hook.calls == []  # a pause loads nothing
-            client.resume(3)
-            got = collect(client, 4)
-            client.pause("keep")
-            client.resume(3)  # the version the engine has: nothing to load
-            client.enqueue(long_sessions(1, "b"))
-            got += collect(client, 1)
+            yield engine, worker, client
         finally:
             broker.stop()
             worker.stop()
             client.close()
+
+
+def test_a_new_version_is_loaded_while_the_engine_is_paused(redis_url, namespace):
+    hook = Hook(redis_url, namespace)
+    with fleet(redis_url, namespace, hook) as (engine, _, client):
+        client.enqueue(long_sessions(4, "a"))
+        assert wait_until(lambda: engines_running([engine.url]) >= 1, timeout=30)
+        client.pause("abort")
+        assert hook.calls == []  # a pause loads nothing
+        client.resume(3)
+        got = collect(client, 4)
+        client.pause("keep")
+        client.resume(3)  # the version the engine has: nothing to load
+        client.enqueue(long_sessions(1, "b"))
+        got += collect(client, 1)
     assert hook.calls == [("w0", 3, True, True)]
     assert [r.status for r in got] == [SessionState.done] * 5
     assert {s.policy_version for r in got for s in r.turn_records} <= {0, 3}
     assert got[-1].turn_records[0].policy_version == 3
 
 
-def test_a_worker_starting_on_a_served_version_loads_it_before_it_is_admitted_anything(redis_url,
-                                                                          namespace):
+def test_a_worker_starting_on_a_served_version_loads_it_before_it_is_admitted_anything(
+        redis_url, namespace):
     hook = Hook(redis_url, namespace)
     with RolloutClient(redis_url, namespace) as client:
         assert client.pause("keep") == []  # no worker yet
         client.resume(5)
-    with running_engine(time_scale=10.0, kv_tokens=200_000) as e0:
-        worker = WorkerThread(redis_url, namespace, "w0", e0.url, time_scale=10.0,
-                              weights_hook=hook).start()
-        broker = BrokerThread(redis_url, namespace, make_policy("least_loaded")).start()
-        client = RolloutClient(redis_url, namespace)
-        try:
-            assert wait_until(lambda: healthy(client, "w0"), timeout=30)
-            client.enqueue(long_sessions(1, "s"))
-            got = collect(client, 1)
-        finally:
-            broker.stop()
-            worker.stop()
-            client.close()
+    with fleet(redis_url, namespace, hook) as (_, _, client):
+        client.enqueue(long_sessions(1, "s"))
+        got = collect(client, 1)
     assert hook.calls == [("w0", 5, False, False)]
     assert got[0].status == SessionState.done and got[0].turn_records[0].policy_version == 5
 
@@ -104,33 +103,23 @@ def test_a_failed_hook_hands_the_sessions_back_with_their_output_and_stops_the_w
     """The engine stays paused on weights that did not load; the next worker resumes it (the
     namespace is not paused) and finishes the sessions from what they had."""
     hook = Hook(redis_url, namespace, fail_on=2)
-    with running_engine(time_scale=10.0, kv_tokens=200_000) as e0:
-        failing = WorkerThread(redis_url, namespace, "w0", e0.url, time_scale=10.0,
-                               weights_hook=hook).start()
-        broker = BrokerThread(redis_url, namespace, make_policy("least_loaded")).start()
-        client = RolloutClient(redis_url, namespace)
-        rescue = None
+    with fleet(redis_url, namespace, hook) as (engine, failing, client):
+        client.enqueue(long_sessions(4, "f"))
+        assert wait_until(lambda: engines_running([engine.url]) >= 4, timeout=30)
+        client.pause("abort")
+        client.resume(2)
+        failing.thread.join(timeout=30)  # it stops by itself
+        assert not failing.thread.is_alive()
+        failure = failing.worker.failure or ""
+        assert "policy version 2" in failure and "no checkpoint for step 2" in failure
+        assert client.results(10, timeout=0.2) == []  # nothing published for them
+        assert httpx.get(f"{engine.url}/is_paused").json()["is_paused"]  # not on those weights
+        rescue = WorkerThread(redis_url, namespace, "w1", engine.url, time_scale=10.0).start()
         try:
-            assert wait_until(lambda: healthy(client, "w0"), timeout=30)
-            client.enqueue(long_sessions(4, "f"))
-            assert wait_until(lambda: engines_running([e0.url]) >= 4, timeout=30)
-            client.pause("abort")
-            client.resume(2)
-            failing.thread.join(timeout=30)  # it stops by itself
-            assert not failing.thread.is_alive()
-            failure = failing.worker.failure or ""
-            assert "policy version 2" in failure and "no checkpoint for step 2" in failure
-            assert client.results(10, timeout=0.2) == []  # nothing published for them
-            assert httpx.get(f"{e0.url}/is_paused").json()["is_paused"]  # not on those weights
-            rescue = WorkerThread(redis_url, namespace, "w1", e0.url, time_scale=10.0).start()
             got = collect(client, 4)
         finally:
-            broker.stop()
-            failing.stop()
-            if rescue is not None:
-                rescue.stop()
-            client.close()
-        generated = generation_tokens(e0.url)
+            rescue.stop()
+        generated = generation_tokens(engine.url)
     assert hook.calls == [("w0", 2, True, True)]
     assert [r.status for r in got] == [SessionState.done] * 4
     assert all(r.output_tokens == OUTPUT for r in got)
