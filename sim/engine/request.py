@@ -39,7 +39,7 @@ class EngineRequest:
         "num_computed_tokens", "blocks", "block_hashes", "status", "num_cached_tokens",
         "num_preemptions", "first_token_time", "finish_time", "finish_reason", "token_seed",
         "_output_ids", "num_cached_blocks", "vocab_size", "num_tokens", "min_tokens",
-        "stop_token_ids", "stop_scan", "stop_reason",
+        "stop_token_ids", "stop_scan", "stop_reason", "weight_version_starts",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
@@ -84,6 +84,9 @@ class EngineRequest:
         self.vocab_size = 151_936  # the engine's vocabulary (set on add)
         self.num_cached_blocks = 0  # leading blocks of `blocks` already offered to the cache
         self._output_ids: list[int] | None = None
+        # (weights label, first output position) for each span of output tokens that label's
+        # weights generated; kept by the HTTP server's driver (None in the fleet simulator).
+        self.weight_version_starts: list[tuple[str, int]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,9 +1,11 @@
 """The FastAPI app: vLLM's HTTP surface over one simulated engine core.
 
 Routes (as vLLM serves them): POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize,
-/v1/completions/render, /v1/chat/completions/render; POST /pause?mode=abort|wait|keep
-(&clear_cache=), /resume and GET /is_paused (RL weight updates: driver.py); GET /v1/models,
-/health, /ping, /version, /metrics, /server_info. Nothing is created at import time;
+/v1/completions/render, /v1/chat/completions/render, /inference/v1/generate (token ids in and
+out, with the weights label of every output span); POST /pause?mode=abort|wait|keep
+(&clear_cache=), /resume, GET /is_paused, POST /update_weight_version, GET /weight_info and POST
+/collective_rpc (method reload_weights: recorded, nothing changes) for RL weight updates
+(driver.py); GET /v1/models, /health, /ping, /version, /metrics, /server_info. Nothing is created at import time;
 `create_app` builds the engine core and the driver task starts with the app's lifespan.
 
 With `fault_injection` (`rollout-broker sim-engine --fault-injection`, for fault drills such as
@@ -40,6 +42,7 @@ from sim.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     GenerateRequest,
+    InferenceGenerateRequest,
     ModelCard,
     ModelList,
     ModelPermission,
@@ -50,7 +53,8 @@ from sim.server.protocol import (
 )
 from sim.server.tokenizer import SimTokenizer
 
-SIM_VERSION = "0.1.0+sim"
+# The vLLM release whose HTTP API the simulator serves (GET /version), marked as simulated.
+SIM_VERSION = "0.32.0+sim"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,7 @@ class ServerState:
     driver: EngineDriver
     registry: CollectorRegistry
     metrics_delay_s: float = 0.0  # an injected fault (see the module docstring)
+    weights_path: str | None = None  # the last checkpoint a collective_rpc reload_weights named
 
     @property
     def max_model_len(self) -> int:
@@ -176,7 +181,47 @@ def _add_generation_routes(app: FastAPI) -> None:
         return _json(serving.chat_response(gen, s.tokenizer, req))
 
 
+    @app.post("/inference/v1/generate", response_model=None)
+    async def generate(req: InferenceGenerateRequest, s: StateDep, request: Request) -> Any:
+        s.check_model(req.model)
+        prompt, limit, sampling = P.generate_inputs(req, s.profile.vocab_size, s.max_model_len)
+        request_id = f"generate-{req.output_mode}-{req.request_id or random_uuid()}"
+        gen = serving.start_generation(s.driver, request_id, s.model_name, [prompt], [limit],
+                                       sampling, s.tokenizer)
+        if not await serving.wait_all_or_disconnect(request, s.driver, gen):
+            return Response(status_code=499)
+        return _json(serving.generate_response(gen, s.tokenizer, req))
+
+
+class WeightVersionBody(BaseModel):
+    new_version: str
+
+
+class CollectiveRpcBody(BaseModel):
+    method: str
+    args: list[str] = []
+    kwargs: dict[str, str] = {}
+    timeout: float | None = None
+
+
 def _add_pause_routes(app: FastAPI) -> None:
+    @app.post("/update_weight_version")
+    async def update_weight_version(body: WeightVersionBody, s: StateDep) -> dict[str, Any]:
+        s.driver.set_weight_version(body.new_version)
+        return {"success": True, "new_version": body.new_version}
+
+    @app.get("/weight_info")
+    async def weight_info(s: StateDep) -> dict[str, str]:
+        return {"weight_version": s.driver.weight_version}
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(body: CollectiveRpcBody, s: StateDep) -> dict[str, Any]:
+        if body.method != "reload_weights":
+            raise ApiError(f"the simulated engine runs no method {body.method!r} "
+                           "(only reload_weights)", param="method")
+        s.weights_path = body.kwargs.get("weights_path")
+        return {"results": [None]}
+
     @app.post("/pause")
     async def pause(s: StateDep, mode: Literal["abort", "wait", "keep"] = "abort",
                     clear_cache: bool = True) -> dict[str, str]:

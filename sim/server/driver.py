@@ -12,7 +12,9 @@ Pause and resume follow vLLM's API for weight updates in RL (`POST /pause?mode=`
 `abort` aborts everything in flight (each caller gets its partial output, finish reason
 "abort"), `wait` lets it finish, `keep` freezes it where it is; the first two then drop the
 prefix cache unless told not to (the weights it was computed with are about to change). While
-paused the engine's clock stands still and new requests wait, to start on resume.
+paused the engine's clock stands still and new requests wait, to start on resume. As in vLLM,
+the weights carry a label (`update_weight_version`, "default" until set) and every request keeps
+which label generated which span of its output (`/inference/v1/generate`'s `weight_versions`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class EngineDriver:
         self._paused = False
         self._frozen_at: float | None = None  # wall time the clock stopped (paused)
         self._held: list[EngineRequest] = []  # submitted while paused: start on resume
+        self.weight_version = "default"  # vLLM's label before any update_weight_version
 
     def virtual_now(self) -> float:
         wall = self._clock() if self._frozen_at is None else self._frozen_at
@@ -93,6 +96,16 @@ class EngineDriver:
             self.core.add_request(request)
         self._wake.set()
 
+    def set_weight_version(self, label: str) -> None:
+        """vLLM's `update_weight_version`: output tokens generated from now on carry `label`
+        (each request keeps where its spans of labels start)."""
+        self._catch_up()
+        self.weight_version = label
+        for req in itertools.chain(self.core.requests.values(), self._held):
+            starts = req.weight_version_starts
+            if starts is not None and starts[-1][0] != label:
+                starts.append((label, req.num_output_tokens))
+
     def start(self) -> None:
         assert self._task is None, "driver already started"
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-driver")
@@ -116,6 +129,7 @@ class EngineDriver:
         Raises ValueError("<field>: reason") from the core on bad input, before anything runs.
         """
         assert request.request_id not in self._futures, f"duplicate request id {request.request_id}"
+        request.weight_version_starts = [(self.weight_version, 0)]
         if self._paused:
             self.core.validate(request)
             self._held.append(request)

@@ -14,6 +14,8 @@ from sim.server.protocol import (
     ChatCompletionRequest,
     ChatMessageParam,
     CompletionRequest,
+    GenerateSamplingParams,
+    InferenceGenerateRequest,
     SamplingFields,
 )
 from sim.server.tokenizer import ChatMessage, SimTokenizer
@@ -146,6 +148,43 @@ def completion_inputs(req: CompletionRequest, tok: SimTokenizer, vocab_size: int
         limits.append(resolve_max_tokens(req.max_tokens, len(pr.token_ids), max_model_len,
                                          "max_tokens", "prompt"))
     return prompts, limits
+
+
+def generate_inputs(req: InferenceGenerateRequest, vocab_size: int, max_model_len: int
+                    ) -> tuple[Prompt, int, GenerateSamplingParams]:
+    """The validated prompt of a `/inference/v1/generate` request, its max_tokens and its
+    sampling params (errors name fields as vLLM does: `sampling_params.max_tokens`)."""
+    sp = req.sampling_params
+    extra = sp.extra_args or {}
+    if "sim_output_len" in extra:
+        sp = sp.model_copy(update={"sim_output_len": int(extra["sim_output_len"])})
+    try:
+        check_sampling(sp)
+    except ApiError as exc:
+        exc.param = f"sampling_params.{exc.param}" if exc.param else "sampling_params"
+        raise
+    if req.stream:
+        raise ApiError("the simulator's /inference/v1/generate answers whole replies only",
+                       param="stream")
+    if req.output_mode == "text" and not sp.detokenize:
+        raise ApiError("output_mode='text' requires sampling_params.detokenize to be true",
+                       param="output_mode")
+    prompt = Prompt(list(req.token_ids), None)
+    check_token_ids(prompt, vocab_size, "token_ids")
+    n = len(prompt.token_ids)
+    if n > max_model_len:  # vLLM's wording; unlike completions, a long max_tokens is clipped
+        raise ApiError(f"The decoder prompt (length {n}) is longer than the maximum model length "
+                       f"of {max_model_len}. Make sure that `max_model_len` is no smaller than "
+                       "the number of text tokens.", param="token_ids")
+    if n == max_model_len:
+        raise ApiError(f"The decoder prompt (length {n}) plus the number of requested output "
+                       f"tokens (at least 1) is longer than the maximum model length of "
+                       f"{max_model_len}.", param="token_ids")
+    if sp.max_tokens is not None and sp.max_tokens < 1:
+        raise ApiError(f"max_tokens must be at least 1, got {sp.max_tokens}.",
+                       param="sampling_params.max_tokens")
+    room = max_model_len - n
+    return prompt, room if sp.max_tokens is None else min(sp.max_tokens, room), sp
 
 
 def chat_inputs(req: ChatCompletionRequest, tok: SimTokenizer,

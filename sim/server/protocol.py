@@ -246,6 +246,71 @@ class GenerateRequest(OpenAIBaseModel):
     token_offsets: list[tuple[int, int]] | None = None
 
 
+class GenerateSamplingParams(SamplingFields):
+    """`sampling_params` of vLLM's `/inference/v1/generate` (its SamplingParams' fields).
+    `extra_args.sim_output_len` fixes a simulated output's length, as the render endpoints
+    write it; real vLLM passes extra_args through to logits processors and ignores it."""
+
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    detokenize: bool = True
+    extra_args: dict[str, Any] | None = None
+
+
+class InferenceGenerateRequest(OpenAIBaseModel):
+    """vLLM's token-in, token-out `POST /inference/v1/generate` (`--enable-scale-out`)."""
+
+    request_id: str | None = None
+    token_ids: list[TokenId] = Field(min_length=1)
+    sampling_params: GenerateSamplingParams
+    model: str | None = None
+    output_mode: Literal["tokens", "text"] = "tokens"
+    stream: bool | None = False
+    return_token_ids: bool | None = None
+
+
+class GenerateLogProb(OpenAIBaseModel):
+    token_id: int
+    logprob: float
+    rank: int | None = None
+
+
+class GenerateLogProbsContent(GenerateLogProb):
+    top_logprobs: list[GenerateLogProb] = Field(default_factory=list)
+
+
+class GenerateLogProbs(OpenAIBaseModel):
+    content: list[GenerateLogProbsContent] | None = None
+
+
+class WeightVersionSpan(OpenAIBaseModel):
+    """Output tokens [start, end) were sampled by the weights labelled `version`."""
+
+    version: str
+    start: int
+    end: int
+
+
+class GenerateChoice(OpenAIBaseModel):
+    index: int
+    finish_reason: str | None = "stop"
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    weight_versions: list[WeightVersionSpan] | None = None
+    text: str | None = None  # output_mode "text" only
+    logprobs: GenerateLogProbs | ChatCompletionLogProbs | None = None
+
+
+class GenerateResponse(OpenAIBaseModel):
+    request_id: str
+    model: str | None = None
+    created: int = Field(default_factory=lambda: int(time.time()))
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    output_mode: Literal["tokens", "text"] = "tokens"
+    choices: list[GenerateChoice]
+
+
 class TokenizeResponse(OpenAIBaseModel):
     count: int
     max_model_len: int

@@ -36,9 +36,16 @@ from sim.server.protocol import (
     CompletionResponseChoice,
     CompletionStreamResponse,
     DeltaMessage,
+    GenerateChoice,
+    GenerateLogProb,
+    GenerateLogProbs,
+    GenerateLogProbsContent,
+    GenerateResponse,
+    InferenceGenerateRequest,
     PromptTokenUsageInfo,
     SamplingFields,
     UsageInfo,
+    WeightVersionSpan,
 )
 from sim.server.tokenizer import SimTokenizer
 
@@ -270,6 +277,56 @@ def chat_response(gen: Generation, tok: SimTokenizer, req: SamplingFields) -> Ch
     return ChatCompletionResponse(id=gen.request_id, created=gen.created, model=gen.model,
                                   choices=choices, usage=gen.usage(),
                                   prompt_token_ids=gen.prompts[0].token_ids if want_ids else None)
+
+
+def weight_version_spans(r: EngineRequest) -> list[WeightVersionSpan] | None:
+    """Which weights label generated which output tokens (vLLM's `weight_versions`)."""
+    starts = r.weight_version_starts
+    if starts is None:
+        return None
+    ends = [start for _, start in starts[1:]] + [r.num_output_tokens]
+    return [WeightVersionSpan(version=v, start=s, end=e)
+            for (v, s), e in zip(starts, ends) if e > s]
+
+
+def generate_logprobs(tok: SimTokenizer, r: EngineRequest, k: int) -> GenerateLogProbs:
+    """`/inference/v1/generate`'s token-id logprobs: per position the sampled token, then its
+    top k (the sampled token first, as vLLM lists them)."""
+    if k == 0:  # the sampled token alone: built without validation (a long reply's hot path)
+        sampled = GenerateLogProb.model_construct
+        content = [GenerateLogProbsContent.model_construct(
+            token_id=t, logprob=lp, rank=None, top_logprobs=[sampled(token_id=t, logprob=lp,
+                                                                      rank=None)])
+            for t, lp in zip(r.output_token_ids, r.output_logprobs)]
+        return GenerateLogProbs.model_construct(content=content)
+    content = []
+    for step in _alternatives(tok, r, k):
+        tid, lp = step[0]
+        ranked = sorted(step, key=lambda e: -e[1])
+        top = [GenerateLogProb(token_id=tid, logprob=lp)]
+        top += [GenerateLogProb(token_id=t, logprob=v) for t, v in ranked[:k] if t != tid]
+        content.append(GenerateLogProbsContent(token_id=tid, logprob=lp, top_logprobs=top))
+    return GenerateLogProbs(content=content)
+
+
+def generate_response(gen: Generation, tok: SimTokenizer,
+                      req: InferenceGenerateRequest) -> GenerateResponse:
+    sp = req.sampling_params
+    text_mode = req.output_mode == "text"
+    k = sp.logprobs
+    choices = []
+    for i, r in enumerate(gen.requests):
+        logprobs = None
+        if k is not None:
+            logprobs = chat_logprobs(tok, r, k, sp) if text_mode else generate_logprobs(tok, r, k)
+        choices.append(GenerateChoice(
+            index=i, finish_reason=_reason(r), stop_reason=r.stop_reason,
+            token_ids=list(r.output_token_ids), weight_versions=weight_version_spans(r),
+            text=_text(tok, r, sp) if text_mode else None, logprobs=logprobs))
+    return GenerateResponse(request_id=gen.request_id, model=gen.model, created=gen.created,
+                            usage=gen.usage(), output_mode=req.output_mode, choices=choices,
+                            prompt_token_ids=gen.prompts[0].token_ids if req.return_token_ids
+                            else None)
 
 
 def _sse(payload: str) -> str:
