@@ -1,8 +1,11 @@
 """Run one admitted session on the engine: its turns, its tool calls, its reward.
 
-Every turn is one `/v1/completions` call with token ids and `return_token_ids`, so the reply
-carries the generated ids and turn k+1's prompt is turn k's whole history (prompt + output ids
-+ observation ids): the engine's prefix cache serves everything but the new tail.
+Every turn is one call to vLLM's token-in, token-out `POST /inference/v1/generate`: token ids
+in, the generated ids, their logprobs and the weights label of every span of them out (a request
+frozen across a weight update by `pause(mode="keep")` says which tokens the new weights made).
+Turn k+1's prompt is turn k's whole history (prompt + output ids + observation ids): the
+engine's prefix cache serves everything but the new tail. A session given as `prompt_text` is
+tokenized once by the engine (`/tokenize`, with the special tokens a completion would add).
 
 Whose fault a failure is decides what happens to the session:
 - the session's own (the engine refuses the request with a 4xx, a token id outside the
@@ -18,6 +21,7 @@ Nothing here touches Redis: the worker publishes what `run` returns.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -38,6 +42,8 @@ from workers.tools import (
     per_turn_value,
 )
 
+log = logging.getLogger("rollout_broker.worker")
+
 
 class EngineError(RuntimeError):
     """The engine refused the session's request (a 4xx): the session's fault; says why."""
@@ -52,6 +58,9 @@ class Handoff(Exception):
         self.partial = partial
 
 
+GENERATE_PATH = "/inference/v1/generate"
+
+
 @dataclass
 class _TurnCut(Exception):
     """Inside a turn: the worker drains. What the turn had: its spans, the prompt ids of its
@@ -59,7 +68,7 @@ class _TurnCut(Exception):
 
     spans: list
     prompt_ids: list[int] | None
-    context: list[int] | str
+    context: list[int]
     done: int  # tokens of the turn generated so far, on any worker (those in `spans` included)
 
 
@@ -97,10 +106,12 @@ class Turn:
     prompt_tokens: int
     output_token_ids: list[int]
     output_logprobs: list[float] | None  # the sampled tokens' (None: not requested)
-    output_text: str  # as the engine detokenized it
+    output_text: str  # as the engine detokenized it ("" unless the session's tools read text)
     cached_tokens: int  # usage.prompt_tokens_details.cached_tokens
     finish_reason: str | None
     wall_s: float
+    # (policy version, start, end) over output_token_ids: which weights made which tokens
+    versions: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -117,13 +128,46 @@ def _sim_output_len(session: Session, turn: int) -> int | None:
 
 
 def _sampled_logprobs(choice: dict, tokens: int) -> list[float]:
-    """The sampled tokens' logprobs from a completions choice (`logprobs.token_logprobs`)."""
-    values = (choice.get("logprobs") or {}).get("token_logprobs")
-    if values is None or len(values) != tokens or any(v is None for v in values):
-        got = "none" if values is None else f"{len(values)}"
+    """The sampled tokens' logprobs from a generate choice (`logprobs.content[i].logprob`)."""
+    content = (choice.get("logprobs") or {}).get("content")
+    if content is None or len(content) != tokens:
+        got = "none" if content is None else f"{len(content)}"
         raise EngineError(f"engine: reply has {got} logprobs for {tokens} output tokens "
-                          "(it must honour the completions API's `logprobs`)")
-    return [float(v) for v in values]
+                          "(it must honour sampling_params.logprobs)")
+    return [float(c["logprob"]) for c in content]
+
+
+def _version_spans(choice: dict, tokens: int, started_on: int,
+                   label_version: Callable[[str], int | None]) -> tuple[tuple[int, int, int], ...]:
+    """The reply's `weight_versions` (label, start, end) as (policy version, start, end) over
+    its `tokens` output tokens; tokens no label covers, or whose label names no version, were
+    made by the weights the request started on."""
+    out: list[tuple[int, int, int]] = []
+    at = 0
+    for span in choice.get("weight_versions") or ():
+        start, end = max(at, int(span["start"])), min(tokens, int(span["end"]))
+        if start > at:
+            out.append((started_on, at, start))
+        if end > start:
+            version = label_version(str(span["version"]))
+            out.append((started_on if version is None else version, start, end))
+            at = end
+    if at < tokens:
+        out.append((started_on, at, tokens))
+    merged: list[tuple[int, int, int]] = []
+    for v, a, b in out:
+        if merged and merged[-1][0] == v:
+            merged[-1] = (v, merged[-1][1], b)
+        else:
+            merged.append((v, a, b))
+    return tuple(merged)
+
+
+def wants_text(session: Session) -> bool:
+    """Whether the session's tool or reward reads text: every one but the built-in simulated
+    tool (`sim`) and stand-in reward (`parity`), which read token ids only. Only then do turns
+    come back with their text, and tool calls with the conversation's."""
+    return session.tool not in (None, "sim") or session.reward not in (None, "parity")
 
 
 class EngineWeights:
@@ -177,6 +221,20 @@ class EngineWeights:
     def version_for(self, session: Session) -> int:
         return session.policy_version if self.version is None else self.version
 
+    def label_version(self, label: str) -> int | None:
+        """The policy version an engine's weights label names: the worker labels the engine's
+        weights with the version it serves (`label_for`); None for any other label, or while
+        the namespace serves no version (outputs then carry their session's own)."""
+        if self.version is None or not label.isdecimal():
+            return None
+        return int(label)
+
+    @staticmethod
+    def label_for(version: int | None) -> str:
+        """The engine's weights label for `version` ("unversioned" while the namespace serves
+        none, so no label an engine kept from an earlier job names a version)."""
+        return "unversioned" if version is None else str(version)
+
 
 @dataclass(frozen=True, slots=True)
 class _Span:
@@ -200,42 +258,46 @@ class SessionRunner:
         self.vocab_size = vocab_size
         self.tools = tools
         self.settings = settings or RunnerSettings()
+        self._said_no_cached_tokens = False
 
-    async def generate_turn(self, session: Session, prompt: list[int] | str, turn: int,
-                            max_tokens: int, done: int = 0) -> tuple[Turn, list[int], list[_Span]]:
+    async def generate_turn(self, session: Session, prompt: list[int], turn: int,
+                            max_tokens: int, done: int = 0) -> tuple[Turn, list[_Span]]:
         """One turn, whole even across a weight update: a request the engine aborts for a
         pause (`mode=abort`) keeps what it generated, and the turn goes on after the resume
-        from prompt + that partial output, on the new weights (a partial rollout). Returns the
-        turn, its prompt's token ids (as the engine tokenized them) and its spans, each with
-        the policy version that generated it. `done`: tokens of the turn generated before
-        (on another worker, which drained), already in `prompt`."""
+        from prompt + that partial output, on the new weights (a partial rollout); a request
+        a `keep` pause froze is split where the engine's weights label changed. Returns the
+        turn and its spans, each with the policy version that generated it. `done`: tokens of
+        the turn generated before (on another worker, which drained), already in `prompt`."""
         spans: list[_Span] = []
         parts: list[Turn] = []
-        prompt_ids: list[int] = []
+        text = wants_text(session)
+        first_prompt = prompt
         while True:
             await self.weights.resumed()  # no new request while paused: it waits for the version
             if self.weights.draining:
-                raise _TurnCut(spans, prompt_ids if parts else None, prompt, done)
+                raise _TurnCut(spans, first_prompt if parts else None, prompt, done)
             epoch = self.weights.epoch
-            version = self.weights.version_for(session)
-            rec, ids = await self.complete(session, prompt, turn, max_tokens - done, len(parts),
-                                           done)
-            if not parts:
-                prompt_ids = ids
+            rec = await self.complete(session, prompt, turn, max_tokens - done, len(parts), done,
+                                      text)
             parts.append(rec)
-            spans.append(_Span(rec.output_token_ids, rec.output_logprobs, rec.finish_reason,
-                               version))
-            done += len(rec.output_token_ids)
+            out, lps = rec.output_token_ids, rec.output_logprobs
+            for version, a, b in rec.versions:
+                spans.append(_Span(out[a:b], None if lps is None else lps[a:b],
+                                   rec.finish_reason if b == len(out) else None, version))
+            if not out:  # nothing generated (aborted before its first token): one empty span
+                spans.append(_Span([], None if lps is None else [], rec.finish_reason,
+                                   self.weights.version_for(session)))
+            done += len(out)
             if rec.finish_reason != "abort":
                 break
             if self.weights.draining:
-                raise _TurnCut(spans, prompt_ids, ids + rec.output_token_ids, done)
+                raise _TurnCut(spans, first_prompt, prompt + out, done)
             if not self.weights.paused and self.weights.epoch == epoch:
                 raise EngineUnavailable("engine: aborted the request, and no pause was ordered")
             await self.weights.resumed()
             if done >= max_tokens:
                 break
-            prompt = ids + rec.output_token_ids
+            prompt = prompt + out
         out = [t for p in parts for t in p.output_token_ids]  # this worker's, after `done`
         logprobs = None if parts[0].output_logprobs is None else \
             [v for p in parts for v in (p.output_logprobs or ())]
@@ -245,60 +307,68 @@ class SessionRunner:
                      finish_reason="length" if parts[-1].finish_reason == "abort"
                      else parts[-1].finish_reason,
                      wall_s=sum(p.wall_s for p in parts))
-        return whole, prompt_ids, spans
+        return whole, spans
 
-    async def complete(self, session: Session, prompt: list[int] | str, turn: int,
-                       max_tokens: int, piece: int = 0, done: int = 0) -> tuple[Turn, list[int]]:
+    async def complete(self, session: Session, prompt: list[int], turn: int, max_tokens: int,
+                       piece: int = 0, done: int = 0, text: bool = False) -> Turn:
         """One engine request: turn `turn`, or its part `piece` after a pause that found
-        `done` tokens of it generated. Returns it and the prompt's token ids."""
+        `done` tokens of it generated; with its text when `text`."""
         s = session.sampling
         request_id = f"{session.session_id}-t{turn}" + (f"-p{piece}" if piece else "")
-        body: dict = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                      "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-                      "min_p": s.min_p, "repetition_penalty": s.repetition_penalty,
-                      "ignore_eos": s.ignore_eos, "return_token_ids": True,
-                      "request_id": request_id}
+        params: dict = {"max_tokens": max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                        "top_k": s.top_k, "min_p": s.min_p,
+                        "repetition_penalty": s.repetition_penalty, "ignore_eos": s.ignore_eos}
         if s.stop:
-            body["stop"] = list(s.stop)
+            params["stop"] = list(s.stop)
         if s.stop_token_ids:
-            body["stop_token_ids"] = list(s.stop_token_ids)
+            params["stop_token_ids"] = list(s.stop_token_ids)
         if s.logprobs:
-            body["logprobs"] = 0  # the sampled token's logprob only
+            params["logprobs"] = 0  # the sampled token's logprob only
         if s.seed is not None:
-            body["seed"] = s.seed + turn
+            params["seed"] = s.seed + turn
         sim_len = _sim_output_len(session, turn)
         if sim_len is not None:
-            body["sim_output_len"] = max(1, min(sim_len - done, max_tokens))
+            params["extra_args"] = {"sim_output_len": max(1, min(sim_len - done, max_tokens))}
+        body = {"model": self.model, "token_ids": prompt, "request_id": request_id,
+                "output_mode": "text" if text else "tokens", "sampling_params": params}
+        started_on = self.weights.version_for(session)
         started = time.monotonic()
         reply = await self._post(body)
         choice = reply["choices"][0]
         usage = reply.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
+        details = usage.get("prompt_tokens_details")
+        if details is None and not self._said_no_cached_tokens:
+            self._said_no_cached_tokens = True
+            log.warning("engine %s reports no cached prompt tokens (usage.prompt_tokens_details)"
+                        ": start vLLM with --enable-prompt-tokens-details; until then every "
+                        "turn's cached_tokens reads 0", self.base)
+        details = details or {}
         ids = choice.get("token_ids")
         if ids is None:
-            raise EngineError("engine: reply has no token_ids (does it support return_token_ids?)")
-        prompt_ids = choice.get("prompt_token_ids") or (prompt if isinstance(prompt, list) else [])
-        turn_rec = Turn(prompt_tokens=int(usage.get("prompt_tokens", len(prompt_ids))),
-                        output_token_ids=list(ids),
-                        output_logprobs=_sampled_logprobs(choice, len(ids)) if s.logprobs else None,
-                        output_text=str(choice.get("text") or ""),
-                        cached_tokens=int(details.get("cached_tokens") or 0),
-                        finish_reason=choice.get("finish_reason"),
-                        wall_s=time.monotonic() - started)
-        return turn_rec, list(prompt_ids)
+            raise EngineError("engine: reply has no token_ids")
+        return Turn(prompt_tokens=int(usage.get("prompt_tokens", len(prompt))),
+                    output_token_ids=list(ids),
+                    output_logprobs=_sampled_logprobs(choice, len(ids)) if s.logprobs else None,
+                    output_text=str(choice.get("text") or ""),
+                    cached_tokens=int(details.get("cached_tokens") or 0),
+                    finish_reason=choice.get("finish_reason"),
+                    wall_s=time.monotonic() - started,
+                    versions=_version_spans(choice, len(ids), started_on,
+                                            self.weights.label_version))
 
     async def detokenize(self, token_ids: list[int]) -> str:
         """Text of `token_ids` by the engine's tokenizer (vLLM's POST /detokenize)."""
         return str((await self._post(body={"model": self.model, "tokens": token_ids},
                                      path="/detokenize"))["prompt"])
 
-    async def tokenize(self, text: str) -> list[int]:
-        """Token ids of `text` by the engine's tokenizer (vLLM's POST /tokenize), no specials."""
+    async def tokenize(self, text: str, special_tokens: bool = False) -> list[int]:
+        """Token ids of `text` by the engine's tokenizer (vLLM's POST /tokenize); with the
+        special tokens a completion prompt gets (a BOS) when `special_tokens`."""
         reply = await self._post(body={"model": self.model, "prompt": text,
-                                       "add_special_tokens": False}, path="/tokenize")
+                                       "add_special_tokens": special_tokens}, path="/tokenize")
         return [int(t) for t in reply["tokens"]]
 
-    async def _post(self, body: dict, path: str = "/v1/completions") -> dict:
+    async def _post(self, body: dict, path: str = GENERATE_PATH) -> dict:
         cfg = self.settings
         url = self.base + path
         last = ""
@@ -338,7 +408,7 @@ class SessionRunner:
         reward: float | None = None
         error: str | None = None
         truncated = False
-        history: list[int] | str = session.prompt_token_ids or session.prompt_text or ""
+        history: list[int] = list(session.prompt_token_ids or ())
         first, done0, pending = 0, 0, []  # where to start, and what is not in a record yet
         resume = session.resume_from
         if resume is not None:  # a worker drained while it ran: go on from what it had
@@ -349,15 +419,16 @@ class SessionRunner:
             progress.generated_tokens = sum(len(r.output_token_ids) for r in records)
         meta = session.metadata
         # The whole conversation as text costs a /detokenize per tool call: only for tools
-        # that are not the simulated one (which reads token counts, not text).
-        wants_text = session.tool not in (None, "sim")
+        # that read text.
+        text = wants_text(session)
         try:
             self._check_vocabulary(session)
+            if not history and resume is None:  # prompt_text: the engine tokenizes it once
+                history = await self.tokenize(session.prompt_text or "", special_tokens=True)
             for turn in range(first, session.max_turns):
                 resumed = resume is not None and turn == first
                 before = done0 if resumed else 0  # of this turn, already in `history`
-                context = len(history) if isinstance(history, list) else session.prompt_len_hint
-                context -= before
+                context = len(history) - before
                 max_tokens = min(session.max_tokens, self.max_model_len - context)
                 if max_tokens < 1:  # the history fills the context: the episode ends here
                     truncated = True
@@ -370,14 +441,14 @@ class SessionRunner:
                 # The turn's input, unless a record already holds it (a resumed cut turn).
                 fed_next = pending if resumed else observation
                 try:
-                    rec, prompt_ids, spans = await self.generate_turn(session, history, turn,
-                                                                      max_tokens, before)
+                    rec, spans = await self.generate_turn(session, history, turn, max_tokens,
+                                                          before)
                 except _TurnCut as cut:
                     raise self._handoff(records, cut, turn, fed_next, before) from None
                 turns.append(rec)
                 if turn == 0 and not resumed:
                     prompt_tokens = rec.prompt_tokens
-                    fed = prompt_ids
+                    fed = history
                 else:
                     fed = [] if before else fed_next
                 for i, span in enumerate(spans):
@@ -386,7 +457,7 @@ class SessionRunner:
                         output_token_ids=span.output_token_ids,
                         output_logprobs=span.output_logprobs, finish_reason=span.finish_reason,
                         policy_version=span.policy_version))
-                history = prompt_ids + rec.output_token_ids
+                history = history + rec.output_token_ids
                 progress.generated_tokens += len(rec.output_token_ids)
                 progress.context_tokens = len(history)
                 truncated = rec.finish_reason == "length"
@@ -399,7 +470,7 @@ class SessionRunner:
                     tool=session.tool or "", turn=turn,
                     max_turns=session.max_turns, output_token_ids=rec.output_token_ids,
                     output_text=rec.output_text, history_token_ids=history,
-                    history_text=await self.detokenize(history) if wants_text else "",
+                    history_text=await self.detokenize(history) if text else "",
                     context_tokens=len(history), metadata=dict(meta),
                     time_scale=self.settings.time_scale))
                 observation = list(outcome.observation_token_ids)
@@ -472,9 +543,8 @@ class SessionRunner:
                        output_token_ids=sp.output_token_ids, output_logprobs=sp.output_logprobs,
                        finish_reason=sp.finish_reason, policy_version=sp.policy_version)
             for i, sp in enumerate(spans)]
-        context = cut.context if isinstance(cut.context, list) else (cut.prompt_ids or [])
         return Handoff(PartialRollout(
-            turn_records=records, history_token_ids=list(context), turn=turn,
+            turn_records=records, history_token_ids=list(cut.context), turn=turn,
             turn_output_tokens=cut.done,
             next_input_token_ids=[] if recorded or spans else list(fed_next)))
 

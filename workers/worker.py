@@ -14,9 +14,11 @@ Asyncio tasks around one `WorkerLink` and one shared `httpx.AsyncClient`, and on
   written (a blocking read of the `control` stream): on a pause it marks the runner's
   `EngineWeights` paused, pauses the engine with vLLM's `POST /pause?mode=` and acknowledges;
   on a resume it loads a new version's weights with its weights hook, if it has one
-  (`--weights-hook`; `_load_weights`; also at start and when the engine comes back), resumes
-  the engine and records the new policy version, which every output token generated from then
-  on carries. A session whose request the pause aborted goes on from what it had generated
+  (`--weights-hook`; `_load_weights`; also at start and when the engine comes back), labels
+  the engine's weights with the version (vLLM's `POST /update_weight_version`), resumes the
+  engine and records the new policy version. The engine says which label generated which
+  tokens of every reply, so each output span carries the version that made it, even inside a
+  request a `keep` pause froze across the update. A session whose request the pause aborted goes on from what it had generated
   once generation resumes (workers/runner.py). A session the trainer cancels while it runs
   here is stopped, and with it its engine request;
 - finish: publishes finished sessions in batches (`finish_many`: result + ledger release + ack),
@@ -188,6 +190,7 @@ class Worker:
                                    vocab_size=s.vocab_size or self.info.vocab_size,
                                    weights=self.weights)
             await self._scrape_once(http)
+            await self._label_weights(http, weights.version)
             if weights.paused:  # started during a weight update: join it
                 await self._pause_engine(http, weights.paused, weights.epoch)
             else:  # an engine a stopped worker left paused (its hook failed) serves again
@@ -268,10 +271,25 @@ class Worker:
     async def _resume_engine(self, http: httpx.AsyncClient, version: int) -> None:
         if version != self.weights.version and not await self._load_weights(version):
             return  # the engine stays paused; the worker hands its sessions back and stops
+        await self._label_weights(http, version)
         await self._engine_call(http, "/resume", {})
         self.weights.resume(version)
         log.info("worker %s: engine resumed on policy version %d", self.settings.backend_id,
                  version)
+
+    async def _label_weights(self, http: httpx.AsyncClient, version: int | None) -> None:
+        """Label the engine's weights with `version` (vLLM's `POST /update_weight_version`)
+        before it generates on them: every output span says which weights made it, so a
+        request a `keep` pause froze across the update is split where they changed."""
+        try:
+            r = await http.post(f"{self.engine_url}/update_weight_version",
+                                json={"new_version": EngineWeights.label_for(version)},
+                                timeout=self.settings.health_timeout_s)
+            r.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.warning("worker %s: labelling the engine's weights %s failed (%s); tokens it "
+                        "generates carry the version their request started on",
+                        self.settings.backend_id, version, describe_error(exc))
 
     async def _load_weights(self, version: int) -> bool:
         """Run the weights hook for `version` while the engine is paused (or not yet serving
@@ -542,7 +560,7 @@ class Worker:
             if why is None:
                 self._health_ok_at = now
                 if not self.engine_up:
-                    await self._engine_back()
+                    await self._engine_back(http)
             elif self.engine_up and (why.startswith("refused")
                                      or now - self._health_ok_at >= s.engine_down_after_s):
                 await self._engine_down(why)
@@ -569,12 +587,14 @@ class Worker:
         self.counters.handed_back += cancelled
         await self._withdraw(deadline_s=s.engine_down_after_s)
 
-    async def _engine_back(self) -> None:
+    async def _engine_back(self, http: httpx.AsyncClient) -> None:
         log.warning("worker %s: engine answers again; registering", self.settings.backend_id)
         # It may have restarted on the weights it was started with: the version the namespace
         # serves goes in again first.
-        if self.weights.version is not None and not await self._load_weights(self.weights.version):
-            return
+        if self.weights.version is not None:
+            if not await self._load_weights(self.weights.version):
+                return
+            await self._label_weights(http, self.weights.version)
         self.engine_up = True
         await self._register()
 
