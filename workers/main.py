@@ -11,10 +11,17 @@ import logging
 import signal
 from dataclasses import dataclass
 
-from broker.binaries import find_executable
 from broker.redis_conn import check_redis_url
 from sim.engine.profiles import check_engine_options, get_profile
-from workers.engine import EngineSpec, open_engine, vllm_command
+from workers.engine import (
+    NO_VLLM,
+    EngineIncompatible,
+    EngineSpec,
+    installed_vllm,
+    open_engine,
+    read_engine_info,
+    vllm_command,
+)
 from workers.tools import load_registry, make_executor, tools_redis_url
 from workers.worker import Worker, WorkerSettings, load_weights_hook
 
@@ -78,10 +85,8 @@ def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptio
             raise ValueError(f"engine: attach:{spec.target} must name an http:// or https:// URL")
         if spec.kind == "vllm":
             vllm_command(spec.target, 0, spec.args)  # refuses --host/--port in the args
-            if find_executable("vllm") is None:
-                raise ValueError("engine: vllm: no `vllm` program beside this Python or on "
-                                 "PATH; pip install vllm, or run the engine yourself and use "
-                                 "attach:URL")
+            if installed_vllm() is None:
+                raise ValueError(NO_VLLM)
         hook = load_weights_hook(engine.weights_hook)
         if tools.kind not in ("inline", "rq"):
             raise ValueError(f"tools: {tools.kind!r} must be 'inline' or 'rq'")
@@ -96,10 +101,17 @@ def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptio
                          seed=engine.seed, ready_timeout_s=engine.ready_timeout_s)
     try:
         log.info("worker %s: engine at %s", settings.backend_id, handle.url)
+        try:
+            info = read_engine_info(handle.url, weight_reload=hook is not None)
+        except EngineIncompatible as exc:
+            raise WorkerConfigError(str(exc)) from None
+        log.info("worker %s: engine serves %s (vLLM %s): max_model_len %d, vocabulary %s",
+                 settings.backend_id, info.model, info.version, info.max_model_len,
+                 info.vocab_size)
         executor = make_executor(tools.kind, tools_url, settings.namespace,
                                  tools.timeout_s, tools.retries,
                                  registry)
-        worker = Worker(settings, handle.url, executor, hook)
+        worker = Worker(settings, handle.url, executor, hook, info)
         asyncio.run(_serve(worker))
     finally:
         handle.close()

@@ -127,7 +127,7 @@ class WorkerCounters:
 
 class Worker:
     def __init__(self, settings: WorkerSettings, engine_url: str, tools: ToolExecutor,
-                 weights_hook: WeightsHook | None = None) -> None:
+                 weights_hook: WeightsHook | None = None, info: EngineInfo | None = None) -> None:
         self.settings = settings
         self.weights_hook = weights_hook
         self.failure: str | None = None  # why the worker stopped by itself (a weights hook)
@@ -138,7 +138,7 @@ class Worker:
                                heartbeat_ttl_s=settings.heartbeat_ttl_s)
         self.counters = WorkerCounters()
         self.engine_up = True  # the circuit: closed while the engine serves
-        self.info: EngineInfo | None = None
+        self.info: EngineInfo | None = info  # read (and the engine checked) at start if None
         self._outage = Outage(f"worker {settings.backend_id}", log)
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="redis")
         self._running: dict[str, tuple[asyncio.Task, Progress]] = {}
@@ -171,7 +171,9 @@ class Worker:
         handed back."""
         s = self.settings
         self._stop = stop
-        self.info = await asyncio.to_thread(read_engine_info, self.engine_url)
+        if self.info is None:
+            self.info = await asyncio.to_thread(read_engine_info, self.engine_url,
+                                                weight_reload=self.weights_hook is not None)
         weights = await self._redis_until_ok(self.link.weights_state)
         # The namespace serves a version already: its weights go in before anything is admitted
         # here. (A pause from now on is in the control stream, read from `control_id`.)

