@@ -16,7 +16,7 @@ import httpx
 from broker.session import Session
 from workers.engine import parse_metrics
 from workers.runner import RunnerSettings
-from workers.tools import InlineExecutor
+from workers.tools import InlineExecutor, ToolRegistry
 from workers.worker import WeightsHook, Worker, WorkerSettings
 
 
@@ -56,12 +56,13 @@ def kill_process_groups(procs: Mapping[str, subprocess.Popen]) -> None:
 class WorkerThread:
     def __init__(self, redis_url: str, namespace: str, backend_id: str, engine_url: str,
                  time_scale: float = 200.0, weights_hook: WeightsHook | None = None,
-                 **settings) -> None:
+                 registry: ToolRegistry | None = None, **settings) -> None:
         self.worker = Worker(WorkerSettings(backend_id=backend_id, redis_url=redis_url,
                                             namespace=namespace, heartbeat_s=0.2,
                                             runner=RunnerSettings(time_scale=time_scale),
                                             **settings),
-                             engine_url, InlineExecutor(timeout_s=10.0), weights_hook)
+                             engine_url, InlineExecutor(timeout_s=10.0, registry=registry),
+                             weights_hook)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
