@@ -2,12 +2,15 @@
 
 Invariants (checked by `check_invariants`, asserted by the tests after every step):
 - a block is in the free queue  ⇔  its ref_cnt == 0;
-- a block with a hash is the one `cached[hash]` maps to (one block per hash: a second block
-  computing the same content stays unhashed — vLLM keeps both, which only matters if the first
-  is evicted while the second lives; we accept that difference);
+- a block with a hash is the one `cached[hash]` maps to, or one of `duplicates[hash]`: as in
+  vLLM, a request that computes content already cached elsewhere (its prefix lookup stopped at
+  an earlier block) caches its own block under the same hash, and a lookup returns the oldest
+  one still cached, so evicting the first leaves the second to hit (sim/mechanics.py measures
+  what that is worth under thrash);
 - freed blocks keep their hash until they are handed out again (that is what lets a finished
   request's KV be hit later); allocation takes from the head of the free queue (least recently
-  freed) and evicts that block's hash; frees go to the tail.
+  freed) and evicts that block's hash; a freed cached block goes to the tail, a freed uncached
+  one to the head (reused first).
 - block 0 is vLLM's null block: never allocated, not counted in usage.
 """
 
@@ -59,7 +62,8 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # never freed, never handed out
         # LRU free queue: first = next to hand out (evict), last = most recently freed.
         self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
-        self.cached: dict[int, Block] = {}
+        self.cached: dict[int, Block] = {}  # hash -> the block a lookup finds
+        self.duplicates: dict[int, dict[int, Block]] = {}  # hash -> later blocks, by id
         self.evictions = 0  # cached blocks whose hash was dropped on reuse
         # A memo of one prefix lookup (KVCacheManager) depends on the blocks with these hashes:
         # any change to whether they are cached or free sets `watch_dirty`.
@@ -94,50 +98,79 @@ class BlockPool:
         popitem = self.free.popitem
         out = [popitem(last=False)[1] for _ in range(n)]
         cached = self.cached
+        duplicates = self.duplicates
         watched = self.watched
         for b in out:
             h = b.block_hash
             if h is not None:
-                if cached.get(h) is b:
+                if duplicates:
+                    self._uncache(h, b)
+                else:  # no duplicates anywhere: every hashed block is the one lookups find
                     del cached[h]
-                    self.evictions += 1
+                self.evictions += 1
                 if watched and h in watched:
                     self.watch_dirty = True
                 b.block_hash = None
             b.ref_cnt = 1
         return out
 
+    def _uncache(self, h: int, b: Block) -> None:
+        """Drop `b` from the blocks cached under `h`; the oldest duplicate, if any, becomes
+        the one lookups find (vLLM's BlockHashToBlockMap keeps insertion order)."""
+        dupes = self.duplicates.get(h)
+        if self.cached.get(h) is b:
+            if dupes:
+                first = next(iter(dupes))
+                self.cached[h] = dupes.pop(first)
+                if not dupes:
+                    del self.duplicates[h]
+            else:
+                del self.cached[h]
+        elif dupes is not None:
+            dupes.pop(b.block_id, None)
+            if not dupes:
+                del self.duplicates[h]
+
     def free_blocks(self, ordered: list[Block]) -> None:
-        """Drop one reference from each; blocks reaching 0 join the tail in the given order
-        (callers pass a request's blocks tail-first, so its last blocks are evicted first)."""
+        """Drop one reference from each. As in vLLM 0.32's BlockPool.free_blocks, blocks
+        reaching 0 join the queue in the given order, a cached (hashed) block at the tail, an
+        uncached one (a partial last block: no later request can hit it) at the head, to be
+        reused first. Callers pass a request's blocks tail-first, so its last cached blocks are
+        evicted first."""
         free = self.free
         watched = self.watched
+        first: list[Block] = []
         for b in ordered:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
+                if b.block_hash is None:
+                    first.append(b)
+                    continue
                 free[b.block_id] = b
                 if watched and b.block_hash in watched:
                     self.watch_dirty = True
+        for b in reversed(first):
+            free[b.block_id] = b
+            free.move_to_end(b.block_id, last=False)
 
     def cache_block(self, block: Block, block_hash: int) -> None:
-        if block.block_hash is not None:
-            return
-        if block_hash not in self.cached:
-            block.block_hash = block_hash
-            self.cached[block_hash] = block
-            if block_hash in self.watched:
-                self.watch_dirty = True
+        self.cache_blocks([block], [block_hash])
 
     def cache_blocks(self, blocks: list[Block], hashes: list[int]) -> None:
-        """`cache_block` for many (the hot path of prefill and free)."""
+        """Give each block (not hashed yet) its hash: the one lookups find if none is cached
+        under it, else a duplicate (the hot path of prefill and free)."""
         cached = self.cached
         watched = self.watched
         for block, h in zip(blocks, hashes):
-            if block.block_hash is None and h not in cached:
-                block.block_hash = h
+            if block.block_hash is not None:
+                continue
+            block.block_hash = h
+            if h not in cached:
                 cached[h] = block
                 if watched and h in watched:
                     self.watch_dirty = True
+            else:
+                self.duplicates.setdefault(h, {})[block.block_id] = block
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash, as vLLM's reset_prefix_cache: only when no request
@@ -146,7 +179,11 @@ class BlockPool:
             return False
         for b in self.cached.values():
             b.block_hash = None
+        for dupes in self.duplicates.values():
+            for b in dupes.values():
+                b.block_hash = None
         self.cached.clear()
+        self.duplicates.clear()
         self.watch_dirty = True
         return True
 
@@ -155,7 +192,11 @@ class BlockPool:
             assert b.ref_cnt >= 0, b
             assert (b.ref_cnt == 0) == (b.block_id in self.free), b
             if b.block_hash is not None:
-                assert self.cached.get(b.block_hash) is b, b
+                assert (self.cached.get(b.block_hash) is b
+                        or self.duplicates.get(b.block_hash, {}).get(b.block_id) is b), b
         for h, b in self.cached.items():
             assert b.block_hash == h, (h, b)
+        for h, dupes in self.duplicates.items():
+            assert dupes and h in self.cached, h
+            assert all(b.block_hash == h and b is not self.cached[h] for b in dupes.values()), h
         assert self.null_block.block_id not in self.free

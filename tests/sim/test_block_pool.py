@@ -116,31 +116,58 @@ def test_shared_block_is_freed_only_by_its_last_holder():
     pool.check_invariants()
 
 
-def test_one_block_per_hash():
-    pool = BlockPool(3)
+def test_a_second_block_of_the_same_content_is_cached_too_and_found_once_the_first_goes():
+    """As vLLM's BlockHashToBlockMap: the same content computed twice is cached twice, a lookup
+    finds the older block, and evicting it leaves the younger one to hit (before, the second
+    stayed unhashed and its content was lost with the first: sim/mechanics.py's thrash phase
+    hit 32-192 tokens fewer than vLLM)."""
+    pool = BlockPool(4)
     x, y = pool.get_new_blocks(2)
     pool.cache_block(x, 5)
-    pool.cache_block(y, 5)  # same content computed twice: the second stays unhashed
-    assert pool.lookup(5) is x and y.block_hash is None
+    pool.cache_block(y, 5)
+    assert pool.lookup(5) is x and y.block_hash == 5
     pool.cache_block(x, 6)  # a hashed block is never re-hashed
     assert x.block_hash == 5 and pool.lookup(6) is None
+    pool.free_blocks([x, y])  # x first: x is evicted first (after the never-used block 3)
+    pool.check_invariants()
+    z, w = pool.get_new_blocks(2)
+    assert (z.block_id, w) == (3, x) and x.block_hash is None
+    assert pool.lookup(5) is y
+    pool.check_invariants()
+
+
+def test_a_freed_uncached_block_is_reused_first_and_a_cached_one_last():
+    """vLLM 0.32's BlockPool.free_blocks: a block without a hash (a request's partial last
+    block) goes to the head of the free queue, a hashed one to the tail (LRU)."""
+    pool = BlockPool(5)
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache_block(a, 7)
+    pool.free_blocks([c, a, b])  # tail first, as a request frees
+    assert list(pool.free) == [c.block_id, b.block_id, 4, a.block_id]
+    assert pool.get_new_blocks(1) == [c]
+    pool.check_invariants()
 
 
 # -- random operations against a reference model -----------------------------------------
 
-ops = st.lists(st.tuples(st.sampled_from(["alloc", "free", "hit", "cache"]), st.integers(0, 10 ** 6)),
-               min_size=1, max_size=60)
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "free", "hit", "cache", "dup"]),
+                         st.integers(0, 10 ** 6)), min_size=1, max_size=60)
 
 
 @settings(deadline=None, derandomize=True, max_examples=80)
 @given(ops=ops)
 def test_random_operations_keep_the_pool_consistent_with_a_model(ops):
-    """A plain-list model of vLLM's pool: FIFO free list, ref counts, hash → block map."""
+    """A plain-list model of vLLM's pool: FIFO free list, ref counts, hash → blocks (a lookup
+    finds the oldest block still cached under the hash)."""
     n = 9
     pool = BlockPool(n)
     free = list(range(1, n))  # model: head first
     ref = {i: 0 for i in range(1, n)}
     hashes: dict[int, int] = {}  # block → hash (model)
+
+    def first_under(h: int) -> int | None:
+        return next((bid for bid, hh in hashes.items() if hh == h), None)
+
     held: list[int] = []  # block ids held, with multiplicity (one entry per reference)
     next_hash = 1
     for op, r in ops:
@@ -154,17 +181,20 @@ def test_random_operations_keep_the_pool_consistent_with_a_model(ops):
             assert got == free[:k]
             for bid in got:
                 free.remove(bid)
-                hashes.pop(bid, None)
+                h = hashes.pop(bid, None)
+                if h is not None:
+                    blk = pool.lookup(h)
+                    assert (blk.block_id if blk else None) == first_under(h)
                 ref[bid] = 1
                 held.append(bid)
         elif op == "free" and held:
             bid = held.pop(r % len(held))
             pool.free_blocks([pool.blocks[bid]])
             ref[bid] -= 1
-            if ref[bid] == 0:
-                free.append(bid)
+            if ref[bid] == 0:  # cached: LRU at the tail; uncached: reused first
+                free.append(bid) if bid in hashes else free.insert(0, bid)
         elif op == "hit" and hashes:
-            bid = sorted(hashes)[r % len(hashes)]
+            bid = first_under(sorted(hashes.values())[r % len(hashes)])
             blk = pool.lookup(hashes[bid])
             assert blk is pool.blocks[bid]
             pool.touch([blk])
@@ -178,6 +208,12 @@ def test_random_operations_keep_the_pool_consistent_with_a_model(ops):
                 pool.cache_block(pool.blocks[bid], next_hash)
                 hashes[bid] = next_hash
                 next_hash += 1
+        elif op == "dup" and held and hashes:
+            bid = held[r % len(held)]
+            if bid not in hashes:  # the same content as a cached block, computed again
+                h = sorted(hashes.values())[r % len(hashes)]
+                pool.cache_block(pool.blocks[bid], h)
+                hashes[bid] = h
         pool.check_invariants()
         assert list(pool.free) == free
         assert {b.block_id: b.ref_cnt for b in pool.blocks[1:]} == ref

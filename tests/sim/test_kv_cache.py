@@ -55,15 +55,16 @@ def test_freed_blocks_hit_until_reused_then_miss():
     _prefill(kv, a)
     kv.free(a)
     assert kv.pool.num_free == 5
-    # Freed tail-first: partial block 3 first, so it is reused first; then 2, then 1.
-    assert list(kv.pool.free) == [4, 5, 3, 2, 1]
+    # Freed tail-first: the partial block 3 (no hash) goes to the head, to be reused first;
+    # the cached 2 then 1 to the tail.
+    assert list(kv.pool.free) == [3, 4, 5, 2, 1]
     b = _req("b", list(range(1, 34)))
     assert _prefill(kv, b) == 32  # both full blocks hit while free
     kv.free(b)
     # Fill the pool with unrelated requests: the LRU head goes first.
-    # Free queue now (head first): 5, 3 (a's partial), 4 (b's partial), 2, 1.
-    assert list(kv.pool.free) == [5, 3, 4, 2, 1]
-    c = _req("c", list(range(500, 500 + 3 * BS)))  # takes 5, 3, 4: no hash evicted
+    # Free queue now (head first): 3 (b's partial, reused from a), 4, 5, 2, 1.
+    assert list(kv.pool.free) == [3, 4, 5, 2, 1]
+    c = _req("c", list(range(500, 500 + 3 * BS)))  # takes 3, 4, 5: no hash evicted
     _prefill(kv, c)
     assert kv.pool.lookup(b.block_hashes[0]) is not None  # still cached
     d = _req("d", list(range(700, 700 + BS)))  # takes block 2: evicts a's second block
