@@ -88,7 +88,8 @@ class TurnRecord(BaseModel):
     `policy_version` is the version of the weights that generated `output_token_ids`: a turn
     cut by a weight update (`pause(mode="abort")`) goes on after it from what it had, as a
     second record of the same `turn` with no input tokens and the new version. A request frozen
-    by `pause(mode="keep")` spans both versions and carries the one it started on.
+    by `pause(mode="keep")` is split the same way where the engine's weights changed (its first
+    record has no finish reason: the request had not finished there).
     """
 
     model_config = ConfigDict(extra="forbid")

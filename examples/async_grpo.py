@@ -21,9 +21,9 @@ GROUP, GROUPS_PER_STEP = 8, 4
 
 
 def group(step: int, g: int) -> list[Session]:
-    prompt = [random.randrange(1000, 30000) for _ in range(64)]  # your tokenized task
+    a, b = random.randrange(100), random.randrange(100)  # your task (or its token ids)
     return [Session(session_id=f"s{step}-g{g}-{i}", workload="rlvr", group_id=f"s{step}-g{g}",
-                    group_size=GROUP, prompt_token_ids=prompt, max_tokens=256,
+                    group_size=GROUP, prompt_text=f"What is {a} + {b}?", max_tokens=256,
                     policy_version=step, metadata={"reward": "parity"}) for i in range(GROUP)]
 
 
