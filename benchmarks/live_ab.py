@@ -1,8 +1,12 @@
-"""Live A/B: the broker against the real vLLM Router on the same simulated engines.
+"""Live A/B: the broker against the real vLLM Router on the same engines, simulated or real.
 
     python3 benchmarks/live_ab.py --engines 4 --profile h100-8b --kv-tokens 60000 --time-scale 1 \\
         --scenario scenarios/demo.yaml --inflight 256,512 --duration 180 --warmup 60 --repeats 2 \\
         --policies misa_t,least_loaded --json out.json
+
+    python3 benchmarks/live_ab.py --engine 'vllm:/tmp/rb-tiny/step-0 --block-size 32 \\
+        --enforce-eager --num-gpu-blocks-override 160' --engines 2 \\
+        --scenario scenarios/cpu-tiny.yaml --duration 120 --warmup 30 --repeats 2
 
 For each `--inflight` bound, each repeat runs the paths one after the other (router,
 broker:POLICY for each of `--policies`, then the next repeat), so drift of the machine over time
@@ -10,7 +14,12 @@ hits every path alike. Every run starts from nothing and stops everything it sta
 process group; also on Ctrl-C, SIGTERM and errors):
 
 - fresh simulated engines, `rollout-broker sim-engine --profile --kv-tokens --time-scale --seed i`,
-  one process group each;
+  one process group each; or, with `--engine 'vllm:MODEL ARGS...'`, real vLLM engines started
+  as a worker starts them (`workers.engine.vllm_command`, with the dev mode the workers need),
+  each warmed up with a few requests before the clock starts; on vLLM's CPU build each is
+  bound to a core of its own (`VLLM_CPU_OMP_THREADS_BIND`) while cores last. Real engines
+  ignore `sim_output_len`: outputs end where the model puts its end-of-sequence token or at the
+  workload's cap, the same on both paths (`--time-scale` then applies to the tools only);
 - `router`: `vllm-router --policy cache_aware --worker-urls <engines>` (router defaults
   otherwise; only its ports and `--log-level warning` are set). The trainer is this process
   and `--router-trainers` child processes (default: one per engine, as the broker path runs a
@@ -47,14 +56,16 @@ engines run X simulated seconds per wall second). The JSON also has, per run: st
 seconds, failures with their first distinct reasons, the tokens the trainer received, CPU
 cores used by each kind of process, and for the router its own routing counters.
 
-Token-id prompts and the router: `SessionRunner` sends prompts as token ids
-(`"prompt": [ids]`, `return_token_ids`), on both paths. vLLM Router 0.1.17 routes such prompts
-by their token ids: its /metrics counts them as `vllm_router_kv_routing_inputs_total{result=
-"token_ids"}` and its cache_aware tree reports `prefix_hit` decisions for them
-(`vllm_router_prefix_routing_decisions_total`), and the engines behind it see prefix-cache hits
-(checked with 0.1.17 on simulated engines: repeated token-id prompts all went to the engine that
-had them cached). Each router run also checks that the router passes `sim_output_len` through
-(a probe request before the clock starts); it stops with an error if not. The router's counters
+Token-id prompts and the router: `SessionRunner` sends each turn as vLLM's token-in, token-out
+`POST /inference/v1/generate`, on both paths. vLLM Router 0.1.17 proxies that endpoint and
+routes it by its token ids, as it does completions' token-id prompts: its /metrics counts them
+as `vllm_router_kv_routing_inputs_total{result="token_ids"}` and its cache_aware tree reports
+`prefix_hit` decisions for them (`vllm_router_prefix_routing_decisions_total`), and the engines
+behind it see prefix-cache hits (checked 2026-12-06 with 0.1.17 on two simulated engines: 6
+token-id prompts sent 3 times each, through either endpoint, took 12 prefix-hit and 6 miss
+decisions, every repeat hit the engine's cache). Each router run also checks that the router
+passes the generate request through, and on simulated engines `sim_output_len` with it (a probe
+request before the clock starts); it stops with an error if not. The router's counters
 per window are in the JSON (`router`), and the table's note line shows its prefix-hit share.
 """
 
@@ -94,11 +105,23 @@ from broker.mixture import mixture_drift
 from broker.policies import policy_names
 from broker.redis_server import RedisHandle, free_port, start_private_redis
 from broker.session import Session, SessionState
-from workers.engine import EngineInfo, EngineScrape, parse_metrics, read_engine_info
+from workers.engine import (
+    NO_VLLM,
+    VLLM_ENV,
+    EngineInfo,
+    EngineScrape,
+    EngineSpec,
+    installed_vllm,
+    model_vocabulary,
+    parse_metrics,
+    read_engine_info,
+    vllm_command,
+)
 
 NAMESPACE = "liveab"
 WINDOWS = ("warm-up", "steady")
 READY_TIMEOUT_S = 120.0
+VLLM_READY_TIMEOUT_S = 600.0  # a real engine loads its model first
 STOP_GRACE_S = 10.0
 PROGRESS_EVERY_S = 10.0
 
@@ -112,7 +135,10 @@ class Fatal(RuntimeError):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Live A/B of the broker against vLLM Router (cache_aware) on simulated engines.")
-    p.add_argument("--engines", type=int, default=4, help="simulated engines per run")
+    p.add_argument("--engines", type=int, default=4, help="engines per run")
+    p.add_argument("--engine", default="sim",
+                   help="sim (simulated engines) or 'vllm:MODEL ARGS...' (real vLLM, as a worker "
+                        "starts it; the vllm-cpu extra on a machine without a GPU)")
     p.add_argument("--profile", default=None, help="engine profile (default: the scenario's)")
     p.add_argument("--kv-tokens", type=int, default=None,
                    help="KV tokens per engine (default: the scenario's, else the profile's)")
@@ -143,6 +169,13 @@ class Plan:
     bounds: list[int]
     policies: list[str]
     router_exe: str
+    vllm: EngineSpec | None = None  # real engines: the model and its arguments
+
+    @property
+    def engine_label(self) -> str:
+        if self.vllm is not None:
+            return f"vLLM {Path(self.vllm.target).name} {' '.join(self.vllm.args)}".strip()
+        return f"{self.profile}, {self.kv_tokens or 'profile'} KV tokens"
 
 
 def plan(args: argparse.Namespace) -> Plan:
@@ -185,7 +218,22 @@ def plan(args: argparse.Namespace) -> Plan:
         prof = get_profile(profile)
     except ValueError as exc:
         fail(f"--profile: {exc}".replace("profile: ", "", 1))
-    if scenario.vocab_size > prof.vocab_size:
+    vllm = None
+    if args.engine != "sim":
+        try:
+            vllm = EngineSpec.parse(args.engine)
+        except ValueError as exc:
+            fail(f"--engine: {exc}")
+        if vllm.kind != "vllm":
+            fail(f"--engine {args.engine!r}: must be sim or 'vllm:MODEL ARGS...'")
+        if installed_vllm() is None:
+            fail(f"--engine: {NO_VLLM}")
+        vocab = model_vocabulary(vllm.target)
+        if vocab is not None and scenario.vocab_size > vocab:
+            fail(f"--scenario: its vocab_size ({scenario.vocab_size}) is larger than the "
+                 f"model's vocabulary ({vocab}); use a scenario of that vocabulary "
+                 "(scenarios/cpu-tiny.yaml for the tiny model)")
+    elif scenario.vocab_size > prof.vocab_size:
         fail(f"--profile {profile}: its vocabulary ({prof.vocab_size}) is smaller than the "
              f"scenario's vocab_size ({scenario.vocab_size})")
     known = policy_names()
@@ -214,7 +262,7 @@ def plan(args: argparse.Namespace) -> Plan:
         fail("vllm-router: no such program beside this Python or on PATH "
              "(pip install vllm-router==0.1.17)")
     kv = args.kv_tokens or scenario.fleet.kv_tokens
-    return Plan(args, scenario, profile, kv, bounds, policies, router)
+    return Plan(args, scenario, profile, kv, bounds, policies, router, vllm)
 
 
 # -- processes ----------------------------------------------------------------------------------
@@ -227,11 +275,12 @@ class Procs:
         self.procs: dict[str, subprocess.Popen] = {}
         self.roles: dict[str, str] = {}
 
-    def start(self, name: str, role: str, argv: list[str]) -> subprocess.Popen:
+    def start(self, name: str, role: str, argv: list[str],
+              env: dict[str, str] | None = None) -> subprocess.Popen:
         with open(self.logdir / f"{name}.log", "ab") as log:
             p = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
                                  stderr=subprocess.STDOUT, start_new_session=True,
-                                 env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                                 env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
         self.procs[name] = p
         self.roles[name] = role
         return p
@@ -323,6 +372,8 @@ def wait_http(urls: list[str], procs: Procs, timeout_s: float = READY_TIMEOUT_S)
 
 def start_engines(pl: Plan, procs: Procs) -> list[str]:
     a = pl.args
+    if pl.vllm is not None:
+        return start_vllm_engines(pl, procs)
     urls = []
     for i in range(a.engines):
         port = free_port()
@@ -334,6 +385,32 @@ def start_engines(pl: Plan, procs: Procs) -> list[str]:
         procs.start(f"engine-{i}", "engines", argv)
         urls.append(f"http://127.0.0.1:{port}")
     wait_http([f"{u}/health" for u in urls], procs)
+    return urls
+
+
+def start_vllm_engines(pl: Plan, procs: Procs) -> list[str]:
+    """Real vLLM engines, each as a worker would start it; warmed up before the clock starts
+    (a CPU engine compiles kernels for each new batch shape on its first requests)."""
+    spec, install = pl.vllm, installed_vllm()
+    cores = os.cpu_count() or 1
+    urls = []
+    for i in range(pl.args.engines):
+        port = free_port()
+        env = dict(VLLM_ENV)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        if install.cpu_build and pl.args.engines <= cores:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(i % cores)  # a core of its own
+        procs.start(f"engine-{i}", "engines", vllm_command(spec.target, port, spec.args, install),
+                    env=env)
+        urls.append(f"http://127.0.0.1:{port}")
+    wait_http([f"{u}/health" for u in urls], procs, timeout_s=VLLM_READY_TIMEOUT_S)
+    info = read_engine_info(urls[0])
+    with httpx.Client(timeout=120.0) as http:
+        for u in urls:
+            for n in (8, 64, 512):
+                http.post(f"{u}/inference/v1/generate", json={
+                    "model": info.model, "token_ids": list(range(3, 3 + n)),
+                    "sampling_params": {"max_tokens": 16}}).raise_for_status()
     return urls
 
 
@@ -501,16 +578,17 @@ class RunState:
         self._last_progress = elapsed
 
 
-def probe_router(router_url: str, model: str) -> None:
-    """One request through the router: it must answer and pass `sim_output_len` through,
-    or the router path would not run the sessions' true lengths."""
-    body = {"model": model, "prompt": [1, 2, 3, 4], "max_tokens": 5, "sim_output_len": 3,
-            "return_token_ids": True}
-    r = httpx.post(f"{router_url}/v1/completions", json=body, timeout=30.0)
+def probe_router(router_url: str, model: str, simulated: bool) -> None:
+    """One request through the router, as a turn is sent (`/inference/v1/generate`): it must
+    answer and, on simulated engines, pass `sim_output_len` through, or the router path would
+    not run the sessions' true lengths."""
+    body = {"model": model, "token_ids": [1, 2, 3, 4],
+            "sampling_params": {"max_tokens": 5, "extra_args": {"sim_output_len": 3}}}
+    r = httpx.post(f"{router_url}/inference/v1/generate", json=body, timeout=60.0)
     if r.status_code != 200:
         raise Fatal(f"router probe: HTTP {r.status_code}: {r.text[:200]}")
     n = len(r.json()["choices"][0].get("token_ids") or [])
-    if n != 3:
+    if simulated and n != 3:
         raise Fatal(f"router probe: asked sim_output_len 3, got {n} tokens: the router does not "
                     "pass sim_output_len through, so the router path cannot replay true lengths")
 
@@ -717,7 +795,7 @@ def run_once(pl: Plan, path: str, bound: int, repeat: int, logroot: Path) -> Run
             router_metrics = f"http://127.0.0.1:{prom}/metrics"
             wait_http([f"{router_url}/health", f"{router_url}/v1/models"], procs)
             info = read_engine_info(urls[0])
-            probe_router(router_url, info.model)
+            probe_router(router_url, info.model, simulated=pl.vllm is None)
         else:
             policy = path.split(":", 1)[1]
             redis_handle = start_private_redis()
@@ -899,8 +977,8 @@ def _f(v, fmt: str) -> str:
 
 def table(records: list[RunRecord], bound: int, pl: Plan) -> str:
     a = pl.args
-    lines = [(f"### inflight {bound}: {a.engines} × {pl.profile}, {pl.kv_tokens or 'profile'} KV "
-              f"tokens, ×{a.time_scale:g}, {a.duration:g}s runs (warm-up {a.warmup:g}s), per wall "
+    lines = [(f"### inflight {bound}: {a.engines} × {pl.engine_label}, "
+              f"×{a.time_scale:g}, {a.duration:g}s runs (warm-up {a.warmup:g}s), per wall "
               "second; ratio = sess/s / tok/s over the mean of the router runs"), "",
              ("| path | rep | window | sess/s | tok/s | ratio vs router | preempt | prefix hit "
               "| KV use | waiting | drift |"),
@@ -939,7 +1017,8 @@ def report(records: list[RunRecord], pl: Plan, interrupted: bool) -> None:
             print()
     if pl.args.json_out:
         a = pl.args
-        doc = {"settings": {"engines": a.engines, "profile": pl.profile, "kv_tokens": pl.kv_tokens,
+        doc = {"settings": {"engines": a.engines, "engine": a.engine, "profile": pl.profile,
+                            "kv_tokens": pl.kv_tokens,
                             "time_scale": a.time_scale, "scenario": str(a.scenario),
                             "seed": pl.scenario.seed, "inflight": pl.bounds,
                             "duration_s": a.duration, "warmup_s": a.warmup,
@@ -963,7 +1042,7 @@ def main(argv: list[str] | None = None) -> int:
                 for path in paths]
     logroot = Path(tempfile.mkdtemp(prefix="rb-live-ab-"))
     print(f"live A/B: {len(schedule)} runs of {a.duration:g}s on {a.engines} engines "
-          f"({pl.profile}, ×{a.time_scale:g}); scenario {pl.scenario.name} seed "
+          f"({pl.engine_label}, ×{a.time_scale:g}); scenario {pl.scenario.name} seed "
           f"{pl.scenario.seed}; logs {logroot}", flush=True)
     records: list[RunRecord] = []
     interrupted = failed = False
