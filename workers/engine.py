@@ -1,4 +1,4 @@
-"""The worker's engine: attach to one that runs, or start `vllm serve` / the simulator as a child.
+"""The worker's engine: attach to one that runs, or start vLLM or the simulator as a child.
 
 ENGINE strings (`rollout-broker worker --engine ...`):
 - `attach:URL`            an engine already serving vLLM's HTTP API at URL; never stopped by us.
@@ -70,7 +70,7 @@ CPU_BUILD_FLAGS = ("--no-enable-chunked-prefill",)
 class EngineSpec:
     kind: str  # 'attach' | 'vllm' | 'sim'
     target: str  # URL, model name or profile
-    args: tuple[str, ...] = ()  # extra `vllm serve` arguments
+    args: tuple[str, ...] = ()  # the vLLM server's arguments after the model
 
     @classmethod
     def parse(cls, text: str) -> EngineSpec:

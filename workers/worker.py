@@ -18,9 +18,9 @@ Asyncio tasks around one `WorkerLink` and one shared `httpx.AsyncClient`, and on
   the engine's weights with the version (vLLM's `POST /update_weight_version`), resumes the
   engine and records the new policy version. The engine says which label generated which
   tokens of every reply, so each output span carries the version that made it, even inside a
-  request a `keep` pause froze across the update. A session whose request the pause aborted goes on from what it had generated
-  once generation resumes (workers/runner.py). A session the trainer cancels while it runs
-  here is stopped, and with it its engine request;
+  request a `keep` pause froze across the update. A session whose request the pause aborted
+  goes on from what it had generated once generation resumes (workers/runner.py). A session
+  the trainer cancels while it runs here is stopped, and with it its engine request;
 - finish: publishes finished sessions in batches (`finish_many`: result + ledger release + ack),
   retrying a batch until Redis takes it. A session the engine could not serve (a broken
   connection, a timeout, 5xx after the retries) is handed back to be run again, an attempt

