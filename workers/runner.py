@@ -32,6 +32,7 @@ from broker.heartbeat import SessionProgress
 from broker.policies.base import kv_token_seconds
 from broker.session import PartialRollout, Session, SessionResult, SessionState, TurnRecord
 from broker.worker_link import CompletionStats
+from workers.engine import GENERATE_PATH
 from workers.tools import (
     RewardCall,
     ToolCall,
@@ -56,9 +57,6 @@ class Handoff(Exception):
     def __init__(self, partial: PartialRollout) -> None:
         super().__init__("worker draining: session handed back with its partial output")
         self.partial = partial
-
-
-GENERATE_PATH = "/inference/v1/generate"
 
 
 @dataclass
