@@ -65,13 +65,15 @@ async def _serve(worker: Worker) -> None:
 
 
 class WorkerConfigError(ValueError):
-    """An option that cannot work, named; raised before anything starts."""
+    """An option that cannot work, or an engine without what the worker needs, named; raised
+    before the worker serves (and before anything starts, for an option)."""
 
 
 def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptions) -> None:
     """Check the options (`WorkerConfigError` naming the bad one, before anything starts), open
-    the engine, serve until a signal, close the engine. SystemExit (status 1, saying why) when
-    the worker stopped by itself: its weights hook failed."""
+    the engine and check it (`WorkerConfigError` naming what it lacks: `read_engine_info`),
+    serve until a signal, close the engine. SystemExit (status 1, saying why) when the worker
+    stopped by itself: its weights hook failed."""
     try:
         check_redis_url(settings.redis_url)
         spec = EngineSpec.parse(engine.spec)
