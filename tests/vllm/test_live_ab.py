@@ -29,9 +29,3 @@ def test_real_engines_need_a_scenario_in_the_models_vocabulary(live_ab, tiny_mod
                                           str(ROOT / "scenarios/cpu-tiny.yaml")]))
     assert pl.vllm.target == str(tiny_models.seed0) and pl.vllm.args == ("--block-size", "32")
     assert pl.engine_label == "vLLM seed0 --block-size 32"
-
-
-def test_an_engine_that_is_neither_sim_nor_vllm_is_refused(live_ab):
-    for bad in ("attach:http://x", "gpu:x"):
-        with pytest.raises(SystemExit, match="--engine"):
-            live_ab.plan(live_ab.parse_args(["--engine", bad]))
