@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -291,12 +292,15 @@ def rq_workers_listening(r: redis.Redis, queue: str) -> int:
 
 
 def _wait_ready(client: RolloutClient, children: Children, backends: list[str],
-                timeout_s: float, tools_ready: Callable[[], bool] | None = None) -> None:
+                timeout_s: float, tools_ready: Callable[[], bool] | None = None,
+                stop: threading.Event | None = None) -> None:
     """Until every engine's worker is healthy and `tools_ready()` (the RQ tool workers all
-    listen): the trainer's clock starts on a fleet that is up (16 tool workers starting take
-    about 13 s of CPU, most of a 20 s run's first seconds on 2 cores)."""
+    listen), or `stop` is set: the trainer's clock starts on a fleet that is up (16 tool
+    workers starting take about 13 s of CPU, most of a 20 s run's first seconds on 2 cores)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            return
         dead = children.dead()
         if dead:
             raise RuntimeError(f"demo: {dead[0]} exited on start:\n{children.log_tail(dead[0])}")
@@ -309,11 +313,26 @@ def _wait_ready(client: RolloutClient, children: Children, backends: list[str],
     raise RuntimeError(f"demo: {what} not ready within {timeout_s:.0f}s; logs in {children.logdir}")
 
 
+def stop_on_signals() -> threading.Event:
+    """Ctrl-C and SIGTERM set the returned event, for the caller's loops to check: an exception
+    raised wherever the main thread happens to be (inside a lock of the live display's, or of a
+    Redis connection's) can leave a lock held and the cleanup waiting for it forever."""
+    stop = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    return stop
+
+
 def terminate_on_sigterm() -> None:
     """SIGTERM as Ctrl-C: it raises KeyboardInterrupt, so the `finally` blocks that stop the
     processes this one started (each in its own process group, which a signal to this one does
     not reach) and a private Redis run before it exits. Without it SIGTERM ends the process at
-    once and leaves them running (the demo and the benchmarks that start processes call it)."""
+    once and leaves them running (the benchmarks that start processes call it; the demo takes
+    both signals as a flag instead: `stop_on_signals`)."""
     def raise_interrupt(*_: object) -> None:
         raise KeyboardInterrupt
 
@@ -360,7 +379,7 @@ def run_demo(settings: DemoSettings, console: Console | None = None,
     console = console or Console()
     scenario = scenario or check_demo(settings)
     kv = settings.kv_tokens or scenario.fleet.kv_tokens
-    terminate_on_sigterm()
+    stop = stop_on_signals()
     handle: RedisHandle = ensure_redis(settings.redis_url)
     namespace = f"demo-{uuid.uuid4().hex[:8]}"
     keys = Keys(namespace)
@@ -401,10 +420,11 @@ def run_demo(settings: DemoSettings, console: Console | None = None,
             return rq_workers_listening(r, tool_queue) >= settings.tool_workers
 
         _wait_ready(client, children, backends, settings.ready_timeout_s,
-                    tools_ready if settings.tools == "rq" else None)
+                    tools_ready if settings.tools == "rq" else None, stop)
         started = time.monotonic()
         with Live(console=console, refresh_per_second=4, transient=False) as live:
-            while (elapsed := time.monotonic() - started) < settings.duration_s:
+            while ((elapsed := time.monotonic() - started) < settings.duration_s
+                   and not stop.is_set()):
                 trainer.top_up()
                 trainer.collect(timeout=0.25)
                 engines = _engines(r, keys, backends)
@@ -416,9 +436,9 @@ def run_demo(settings: DemoSettings, console: Console | None = None,
             # The last frame and the summary: the same results over the same span.
             ended = time.monotonic() - started
             live.update(live_view(trainer, client.status(), engines, ended, settings.duration_s))
-    except KeyboardInterrupt:
-        interrupted = True
-        console.print("[yellow]interrupted: stopping[/]")
+        if stop.is_set():
+            interrupted = True
+            console.print("[yellow]interrupted: stopping[/]")
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -105,7 +105,27 @@ def test_ctrl_c_stops_the_demo_cleanly_with_status_130():
         p.send_signal(signal.SIGINT)
         out, _ = p.communicate(timeout=90)
     finally:
-        if p.poll() is None:
+        if p.poll() is None:  # (its children lead process groups of their own: stop them too)
+            for child in children_of(p.pid):
+                try:
+                    os.killpg(child, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             p.kill()
     assert p.returncode == 130, (seen + out)[-3000:]
     assert "stopped early by interrupt" in out and "summary:" in out
+
+
+def children_of(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat[stat.rfind(")") + 2:].split()[1]) == pid:
+                out.append(int(entry))
+    return out
