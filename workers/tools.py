@@ -637,7 +637,10 @@ class RqExecutor:
                 last_error = ""
             now = time.monotonic()
             for job_id in ids:
-                fut, what, deadline = self._waiting[job_id]
+                entry = self._waiting.get(job_id)
+                if entry is None:  # its pushed result reached it while we asked (`_listen`)
+                    continue
+                fut, what, deadline = entry
                 if fut.done():  # the session was cancelled meanwhile
                     del self._waiting[job_id]
                     continue

@@ -426,3 +426,36 @@ def test_an_idle_tool_worker_stops_at_once_even_when_its_rq_listener_saw_the_uns
     took = time.monotonic() - started
     assert p.returncode == 0, p.stderr[-2000:]
     assert took < 30, f"the tool worker took {took:.1f}s to stop"
+
+
+def test_a_result_pushed_while_the_poller_asks_leaves_the_poller_running(redis_url, namespace):
+    """The listener hands a pushed result to its call (and forgets the job) while the poller
+    is asking Redis about the jobs it listed; before, the poller then looked the job up, died
+    on a KeyError, and its other jobs waited for a call that would start it again (seen in a
+    CI run's demo log: 'Task exception was never retrieved ... KeyError')."""
+    async def main() -> None:
+        ex = RqExecutor(redis_url, namespace, timeout_s=30.0, poll_s=0.01)
+        loop = asyncio.get_running_loop()
+        pushed, waits = loop.create_future(), loop.create_future()
+        ex._waiting = {"a": (pushed, "tool sim", time.monotonic() + 30),
+                       "b": (waits, "tool sim", time.monotonic() + 30)}
+        asked = 0
+
+        def statuses(ids):  # "a"'s result arrives on the listener meanwhile
+            nonlocal asked
+            asked += 1
+            entry = ex._waiting.pop("a", None)
+            if entry is not None:
+                loop.call_soon_threadsafe(entry[0].set_result, "done")
+            return {}
+
+        ex._statuses = statuses
+        poller = asyncio.create_task(ex._poll())
+        while asked < 3 and not poller.done():
+            await asyncio.sleep(0.01)
+        assert not poller.done(), poller.exception()
+        assert await pushed == "done" and not waits.done()
+        poller.cancel()
+        await ex.aclose()
+
+    asyncio.run(main())
