@@ -30,7 +30,7 @@ import httpx
 import redis
 
 from broker.client import RolloutClient
-from broker.demo import run_until_interrupted
+from rollout_broker.demo import run_until_interrupted
 from broker.heartbeat import EngineMetrics, SessionProgress
 from broker.keys import Keys
 from broker.redis_server import ensure_redis, free_port
@@ -138,7 +138,7 @@ def report(label: str, path: str, ms: list[float]) -> float:
 def start_api(url: str, ns: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "api", "--port", str(port), "--redis-url", url,
+        [sys.executable, "-m", "rollout_broker.cli", "api", "--port", str(port), "--redis-url", url,
          "--namespace", ns, "--log-level", "warning"], env={**os.environ, "RB_API_TOKEN": ""})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 20

@@ -21,7 +21,7 @@ import uuid
 
 import redis
 
-from broker.backend_sim import SimulatedBackend
+from sim.backend import SimulatedBackend
 from broker.heartbeat import EngineMetrics
 from broker.client import RolloutClient
 from broker.keys import Keys

@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from broker.client import RolloutClient  # noqa: E402
-from broker.demo import run_until_interrupted  # noqa: E402
+from rollout_broker.demo import run_until_interrupted  # noqa: E402
 from broker.keys import Keys  # noqa: E402
 from broker.redis_server import RedisHandle, free_port, start_private_redis  # noqa: E402
 from broker.session import Session  # noqa: E402
@@ -131,7 +131,7 @@ class Proc:
     def start(self, env: dict[str, str]) -> Proc:
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "broker.cli", *self.args], cwd=ROOT, env=env,
+                [sys.executable, "-m", "rollout_broker.cli", *self.args], cwd=ROOT, env=env,
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
         return self

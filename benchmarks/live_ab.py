@@ -37,8 +37,8 @@ process group; also on Ctrl-C, SIGTERM and errors):
 
 Both paths get the same session sequence with the same true lengths: groups drawn from the
 scenario's source (`GeneratedSource`, seeded by the scenario, or `--seed`) with their truth in
-metadata (`broker.demo.with_truth`), the workload of each next group chosen as the demo trainer
-does (the one furthest below its target share of what was enqueued). The trainer keeps
+metadata (`sim.workloads.truth.with_truth`), the workload of each next group chosen as the demo
+trainer does (the one furthest below its target share of what was enqueued). The trainer keeps
 `inflight` sessions in flight as whole groups (closed loop: a group is enqueued when it fits
 under the bound, as results come back).
 
@@ -99,12 +99,13 @@ sys.path.insert(0, str(ROOT))
 
 from broker.binaries import find_executable
 from broker.client import RolloutClient
-from broker.demo import terminate_on_sigterm, with_truth
+from rollout_broker.demo import terminate_on_sigterm
 from broker.keys import Keys
 from broker.mixture import mixture_drift
 from broker.policies import policy_names
 from broker.redis_server import RedisHandle, free_port, start_private_redis
 from broker.session import Session, SessionState
+from sim.workloads.truth import with_truth
 from workers.engine import (
     NO_VLLM,
     VLLM_ENV,
@@ -377,7 +378,7 @@ def start_engines(pl: Plan, procs: Procs) -> list[str]:
     urls = []
     for i in range(a.engines):
         port = free_port()
-        argv = [sys.executable, "-m", "broker.cli", "sim-engine", "--host", "127.0.0.1",
+        argv = [sys.executable, "-m", "rollout_broker.cli", "sim-engine", "--host", "127.0.0.1",
                 "--port", str(port), "--profile", pl.profile, "--time-scale", repr(a.time_scale),
                 "--seed", str(i)]
         if pl.kv_tokens:
@@ -801,7 +802,7 @@ def run_once(pl: Plan, path: str, bound: int, repeat: int, logroot: Path) -> Run
             redis_handle = start_private_redis()
             common = ["--redis-url", redis_handle.url, "--namespace", NAMESPACE,
                       "--log-level", "WARNING"]
-            cli = [sys.executable, "-m", "broker.cli"]
+            cli = [sys.executable, "-m", "rollout_broker.cli"]
             procs.start("broker", "broker", [*cli, "broker", "--policy", policy, "--lease-s", "2",
                                              *common])
             for i, u in enumerate(urls):

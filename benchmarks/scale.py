@@ -68,7 +68,7 @@ import yaml
 
 from broker.body import dump_body
 from broker.client import RolloutClient
-from broker.demo import run_until_interrupted
+from rollout_broker.demo import run_until_interrupted
 from broker.heartbeat import EngineMetrics
 from broker.keys import Keys
 from broker.policies import policy_names
@@ -401,7 +401,7 @@ def rss_bytes(pid: int) -> tuple[int, int]:
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "broker.cli", *args]
+    return [sys.executable, "-m", "rollout_broker.cli", *args]
 
 
 def stop_process(proc: subprocess.Popen) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from broker.demo import run_until_interrupted  # noqa: E402
+from rollout_broker.demo import run_until_interrupted  # noqa: E402
 
 SUMMARY_RE = re.compile(r"summary: (\d+) sessions in ([\d.]+)s")
 # The summary table's last row: "│ all │ done │ failed │ output tokens │ tok/s │ ..."
@@ -49,7 +49,7 @@ def parse_summary(text: str) -> dict[str, float]:
 
 
 def one_demo(tools: str, duration: float, tool_workers: int) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "broker.cli", "demo", "--duration", repr(duration),
+    cmd = [sys.executable, "-m", "rollout_broker.cli", "demo", "--duration", repr(duration),
            "--tools", tools, "--tool-workers", str(tool_workers)]
     env = {**os.environ, "COLUMNS": "200"}  # the summary table's numbers unabridged
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,

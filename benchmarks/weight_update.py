@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from broker.client import RolloutClient  # noqa: E402
-from broker.demo import Children, run_until_interrupted  # noqa: E402
+from rollout_broker.demo import Children, run_until_interrupted  # noqa: E402
 from broker.redis_conn import delete_namespace  # noqa: E402
 from broker.redis_server import ensure_redis, free_port  # noqa: E402
 from broker.session import Session, SessionState  # noqa: E402

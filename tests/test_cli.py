@@ -9,7 +9,7 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
-from broker.cli import app
+from rollout_broker.cli import app
 
 
 @pytest.fixture

@@ -128,7 +128,7 @@ def vllm_command(model: str, port: int, args: tuple[str, ...] = (),
 
 def sim_command(profile: str, port: int, time_scale: float = 1.0, kv_tokens: int | None = None,
                 seed: int = 0) -> list[str]:
-    cmd = [sys.executable, "-m", "broker.cli", "sim-engine", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "rollout_broker.cli", "sim-engine", "--host", "127.0.0.1",
            "--port", str(port), "--profile", profile, "--time-scale", repr(time_scale),
            "--seed", str(seed)]
     if kv_tokens is not None:

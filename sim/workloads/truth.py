@@ -130,3 +130,18 @@ class SimSession:
         return len(self.session.prompt_token_ids or ()) + sum(t.output_tokens[:turn]) + sum(
             t.observation_tokens[:turn]
         )
+
+
+def with_truth(sim: SimSession) -> Session:
+    """The public session plus its simulated truth in metadata, for the simulated tool and
+    engine (`sim_output_len`): what the live demo and benchmarks enqueue. Policies never see
+    metadata; a real trainer sends none of this."""
+    t = sim.truth
+    meta = dict(sim.session.metadata)
+    meta.update(tool="sim", reward="parity", sim_seed=t.token_seed, sim_turns=t.turns,
+                sim_vocab=t.vocab_size,
+                sim_output_tokens=",".join(map(str, t.output_tokens)),
+                sim_tool_latency_s=",".join(f"{x:.4f}" for x in t.tool_latency_s),
+                sim_observation_tokens=",".join(map(str, t.observation_tokens)),
+                sim_final_latency_s=round(t.final_latency_s, 4))
+    return sim.session.model_copy(update={"metadata": meta})

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.settings import ApiSettings
-from broker.backend_sim import SimulatedBackend
+from sim.backend import SimulatedBackend
 from broker.policies import make_policy
 from broker.redis_server import free_port
 from tests.broker.helpers import BrokerThread

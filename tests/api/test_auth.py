@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from api.app import create_app
 from api.settings import ApiSettings, check_bind, is_loopback, make_settings
-from broker.cli import app as cli
+from rollout_broker.cli import app as cli
 from tests.api.helpers import session_json
 
 pytestmark = pytest.mark.timeout(30)

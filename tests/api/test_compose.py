@@ -125,7 +125,7 @@ def test_commands_use_options_the_cli_has():
     """Every `--option` compose passes to a subcommand exists on that subcommand."""
     import typer.main
 
-    from broker.cli import app
+    from rollout_broker.cli import app
 
     group = typer.main.get_command(app)
     services = services_of("gpu", "cpu")

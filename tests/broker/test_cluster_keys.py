@@ -130,7 +130,7 @@ def test_rq_on_a_cluster_url_stops_at_start_with_one_line(argv, env, message, mo
 
     from typer.testing import CliRunner
 
-    from broker.cli import app
+    from rollout_broker.cli import app
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"started something: {args[:1]}")

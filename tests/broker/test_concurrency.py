@@ -12,7 +12,7 @@ import threading
 import pytest
 import redis
 
-from broker.backend_sim import SimulatedBackend
+from sim.backend import SimulatedBackend
 from broker.client import RolloutClient
 from broker.keys import BROKER_GROUP, Keys
 from broker.ledger import parse_ledger

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.backend_sim import SimulatedBackend
+from sim.backend import SimulatedBackend
 from broker.client import RolloutClient
 from broker.keys import Keys
 from tests.broker.helpers import make_session, wait_until
@@ -25,7 +25,7 @@ N = 2000
 def start_broker(redis_url: str, namespace: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "broker", "--redis-url", redis_url,
+        [sys.executable, "-m", "rollout_broker.cli", "broker", "--redis-url", redis_url,
          "--namespace", namespace, "--policy", "tests.broker.policies_for_tests:HeadroomPolicy",
          "--lease-s", str(LEASE_S), "--log-level", "WARNING"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from broker.cli import app
+from rollout_broker.cli import app
 from broker.heartbeat import EngineMetrics
 from broker.keys import Keys
 from broker.worker_link import WorkerLink
@@ -44,7 +44,7 @@ def test_the_tools_probe_follows_the_rq_worker_on_this_host(redis_url):
 
     root = Path(__file__).resolve().parents[2]
     before = probe("tools", "--redis-url", redis_url)[0]
-    p = subprocess.Popen([sys.executable, "-m", "broker.cli", "tools", "--redis-url", redis_url],
+    p = subprocess.Popen([sys.executable, "-m", "rollout_broker.cli", "tools", "--redis-url", redis_url],
                          cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -306,7 +306,7 @@ def test_rq_tool_workers_and_probes_through_the_sentinel_url(cluster):
     from workers.tools import RqExecutor
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    tools = subprocess.Popen([sys.executable, "-m", "broker.cli", "tools", "--redis-url",
+    tools = subprocess.Popen([sys.executable, "-m", "rollout_broker.cli", "tools", "--redis-url",
                               cluster.url], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
 
@@ -320,7 +320,7 @@ def test_rq_tool_workers_and_probes_through_the_sentinel_url(cluster):
     try:
         out = asyncio.run(one_call())
         assert len(out.observation_token_ids) == 9
-        probe = subprocess.run([sys.executable, "-m", "broker.cli", "probe", "tools",
+        probe = subprocess.run([sys.executable, "-m", "rollout_broker.cli", "probe", "tools",
                                 "--redis-url", cluster.url], cwd=ROOT, env=env,
                                capture_output=True, text=True, timeout=60, check=False)
         assert probe.returncode == 0, probe.stderr

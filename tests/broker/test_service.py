@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from broker.backend_sim import SimulatedBackend
+from sim.backend import SimulatedBackend
 from broker.client import RolloutClient
 from broker.heartbeat import EngineMetrics
 from broker.ledger import Ledger

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.backend_sim import SimulatedBackend
+from sim.backend import SimulatedBackend
 from broker.client import RolloutClient
 from broker.keys import Keys
 from broker.session import Session, SessionState

@@ -27,7 +27,7 @@ import typer.main
 import yaml
 from kubernetes_validate.utils import latest_version
 
-from broker.cli import app
+from rollout_broker.cli import app
 from broker.keys import Keys, check_backend_id
 from broker.policies import live_policy_names
 from broker.redis_conn import check_redis_url

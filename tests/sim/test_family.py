@@ -9,7 +9,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from broker.cli import app
+from rollout_broker.cli import app
 from sim.family import FamilySpec, load_family, sample_family
 from sim.bench_family import parse_sweep, summarize_headroom, with_field
 from sim.scenario import ScenarioError, load_scenario

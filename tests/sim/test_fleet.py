@@ -194,7 +194,7 @@ def test_bench_json_is_byte_identical_for_a_seed(tmp_path) -> None:
 def test_bench_cli_names_the_bad_field(tmp_path) -> None:
     from typer.testing import CliRunner
 
-    from broker.cli import app
+    from rollout_broker.cli import app
 
     bad = tmp_path / "bad.yaml"
     data = yaml.safe_load(open(QUICK))

@@ -23,7 +23,7 @@ The router matches token ids, which it asks a worker's /v1/chat/completions/rend
 turn's key extends the last one's. Where each turn ran is read from the engines' own
 `vllm:request_success_total` (one request is on the move at a time); cache hits from
 `cached_tokens` and `vllm:prefix_cache_hits_total`. Engines run as `rollout-broker sim-engine`
-subprocesses (python -m broker.cli), so this also covers the CLI. Every process is stopped in
+subprocesses (python -m rollout_broker.cli), so this also covers the CLI. Every process is stopped in
 `finally`; tests/sim/test_router_differential.py reuses the helpers here.
 """
 
@@ -99,7 +99,7 @@ def processes() -> Iterator[list[subprocess.Popen]]:
 
 def start_engine(procs: list[subprocess.Popen], seed: int, time_scale: float = TIME_SCALE) -> str:
     port = free_port()
-    cmd = [sys.executable, "-m", "broker.cli", "sim-engine", "--port", str(port), "--profile",
+    cmd = [sys.executable, "-m", "rollout_broker.cli", "sim-engine", "--port", str(port), "--profile",
            PROFILE, "--time-scale", str(time_scale), "--seed", str(seed)]
     procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL,

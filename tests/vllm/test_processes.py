@@ -64,14 +64,14 @@ def test_the_worker_command_runs_real_vllm_through_a_weight_reload_and_a_kill_9(
     sessions running: its engine goes with it, and a worker on another engine finishes them,
     each once."""
     for seed in (0, 1):
-        subprocess.run([sys.executable, "-m", "broker.cli", "tiny-model",
+        subprocess.run([sys.executable, "-m", "rollout_broker.cli", "tiny-model",
                         str(tmp_path / f"step-{seed}"), "--seed", str(seed)],
                        cwd=ROOT, check=True, capture_output=True, timeout=120)
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1",
                RB_WEIGHTS_PATH=str(tmp_path / "step-{version}"))
     log = (tmp_path / "worker.log").open("wb")
     worker = subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "worker", "--backend-id", "cli0",
+        [sys.executable, "-m", "rollout_broker.cli", "worker", "--backend-id", "cli0",
          "--engine", f"vllm:{tmp_path / 'step-0'} {' '.join(ENGINE_ARGS)}",
          "--weights-hook", "workers.vllm_weights:reload_checkpoint",
          "--redis-url", redis_url, "--namespace", namespace, "--heartbeat-s", "0.25",
@@ -181,7 +181,7 @@ def test_a_worker_attached_to_vllm_started_without_dev_mode_stops_at_once_naming
     try:
         wait_healthy(f"http://127.0.0.1:{port}", 300, plain)
         worker = subprocess.run(
-            [sys.executable, "-m", "broker.cli", "worker", "--backend-id", "plain0",
+            [sys.executable, "-m", "rollout_broker.cli", "worker", "--backend-id", "plain0",
              "--engine", f"attach:http://127.0.0.1:{port}", "--redis-url", redis_url,
              "--namespace", namespace], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
             capture_output=True, text=True, timeout=120)

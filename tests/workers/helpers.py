@@ -28,7 +28,7 @@ def start_worker(redis_url: str, namespace: str, backend_id: str, tool_time_scal
     """A worker process that starts its own simulated engine (a child in its process group)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "worker", "--backend-id", backend_id,
+        [sys.executable, "-m", "rollout_broker.cli", "worker", "--backend-id", backend_id,
          "--engine", "sim:h100-8b", "--kv-tokens", "40000", "--redis-url", redis_url, "--namespace", namespace,
          "--time-scale", tool_time_scale, "--heartbeat-s", "0.25", "--heartbeat-ttl", "2.0",
          "--drain-grace", "5", "--log-level", "WARNING"],

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_demo_starts_its_own_redis_and_exits_cleanly():
     dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     env = dict(os.environ, REDIS_URL=dead, PYTHONPATH=str(ROOT), COLUMNS="160")
-    p = subprocess.run([sys.executable, "-m", "broker.cli", "demo", "--duration", "20",
+    p = subprocess.run([sys.executable, "-m", "rollout_broker.cli", "demo", "--duration", "20",
                         "--engines", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=150)
     out = p.stdout + p.stderr
@@ -41,7 +41,7 @@ def test_the_rq_demo_leaves_no_tool_jobs_in_a_redis_it_does_not_own(redis_url):
     import redis
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="160")
-    p = subprocess.run([sys.executable, "-m", "broker.cli", "demo", "--duration", "6",
+    p = subprocess.run([sys.executable, "-m", "rollout_broker.cli", "demo", "--duration", "6",
                         "--engines", "2", "--tools", "rq", "--tool-workers", "3",
                         "--redis-url", redis_url], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=150)
@@ -63,7 +63,7 @@ def test_the_rq_demo_leaves_no_tool_jobs_in_a_redis_it_does_not_own(redis_url):
 def test_the_demo_trainer_keeps_a_group_that_does_not_fit_yet():
     """A drawn group that would exceed the in-flight bound is enqueued later, never dropped:
     every group the trainer draws reaches the broker, in order."""
-    from broker.demo import Trainer
+    from rollout_broker.demo import Trainer
     from sim.scenario import load_scenario
 
     class Client:
@@ -92,7 +92,7 @@ def test_ctrl_c_stops_the_demo_cleanly_with_status_130():
     import time
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="160")
-    p = subprocess.Popen([sys.executable, "-m", "broker.cli", "demo", "--duration", "120",
+    p = subprocess.Popen([sys.executable, "-m", "rollout_broker.cli", "demo", "--duration", "120",
                           "--engines", "2"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     try:

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.integration, pytest.mark.timeout(15
 
 def engine_process(port: int) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "sim-engine", "--port", str(port), "--profile",
+        [sys.executable, "-m", "rollout_broker.cli", "sim-engine", "--port", str(port), "--profile",
          "h100-8b", "--time-scale", "200", "--kv-tokens", "60000"],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True)

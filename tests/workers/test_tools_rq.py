@@ -27,7 +27,7 @@ def call(tool: str, turn: int = 0) -> ToolCall:
 
 def test_tools_and_rewards_through_rq(redis_url):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    worker = subprocess.Popen([sys.executable, "-m", "broker.cli", "tools", "--redis-url",
+    worker = subprocess.Popen([sys.executable, "-m", "rollout_broker.cli", "tools", "--redis-url",
                                redis_url, "--tool-config", str(TOOLS_TOML)], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -66,7 +66,7 @@ def test_a_tool_worker_rides_out_a_redis_restart(tmp_path):
     redis_handle = start_private_redis(port=port, workdir=str(tmp_path))
     servers = [redis_handle]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    worker = subprocess.Popen([sys.executable, "-m", "broker.cli", "tools", "--redis-url",
+    worker = subprocess.Popen([sys.executable, "-m", "rollout_broker.cli", "tools", "--redis-url",
                                redis_handle.url], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -138,7 +138,7 @@ def test_a_tool_worker_stopped_while_rq_registers_it_leaves_no_registration(redi
         "    time.sleep(2.0)\n"
         "    return subscribe(self, *args, **kwargs)\n"
         "redis.client.PubSub.subscribe = slow\n"
-        "from broker.cli import app\n"
+        "from rollout_broker.cli import app\n"
         "sys.argv = ['rollout-broker', 'tools', '--redis-url', sys.argv[1], '--namespace', sys.argv[2]]\n"
         "app()\n"
     )
@@ -169,7 +169,7 @@ def test_a_result_reaches_its_call_when_the_job_ends_not_at_the_next_poll(redis_
     """The job's success callback pushes the result to the executor; with a poll interval
     longer than the test, only that push can deliver it."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    worker = subprocess.Popen([sys.executable, "-m", "broker.cli", "tools", "--redis-url",
+    worker = subprocess.Popen([sys.executable, "-m", "rollout_broker.cli", "tools", "--redis-url",
                                redis_url, "--namespace", namespace], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -386,7 +386,7 @@ def test_a_stop_that_lands_just_as_a_job_is_taken_runs_the_job_first(redis_url, 
         "        os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return found\n"
         "rq.queue.Queue.dequeue_any = classmethod(dequeue_any)\n"
-        "from broker.cli import app\n"
+        "from rollout_broker.cli import app\n"
         "sys.argv = ['rollout-broker', 'tools', '--redis-url', sys.argv[1], '--namespace', sys.argv[2]]\n"
         "app()\n"
     )
@@ -415,7 +415,7 @@ def test_an_idle_tool_worker_stops_at_once_even_when_its_rq_listener_saw_the_uns
         "    return out\n"
         "redis.client.PubSub.unsubscribe = unsubscribe\n"
         "threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
-        "from broker.cli import app\n"
+        "from rollout_broker.cli import app\n"
         "sys.argv = ['rollout-broker', 'tools', '--redis-url', sys.argv[1], '--namespace', sys.argv[2]]\n"
         "app()\n"
     )

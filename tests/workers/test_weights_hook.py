@@ -173,7 +173,7 @@ def test_the_worker_command_exits_1_saying_which_version_did_not_load(redis_url,
         client.pause("keep")
         client.resume(9)
     proc = subprocess.run(
-        [sys.executable, "-m", "broker.cli", "worker", "--backend-id", "w0", "--engine",
+        [sys.executable, "-m", "rollout_broker.cli", "worker", "--backend-id", "w0", "--engine",
          "sim:h100-8b", "--kv-tokens", "40000", "--redis-url", redis_url, "--namespace",
          namespace, "--weights-hook", "tests.workers.tools_for_tests:missing_checkpoint",
          "--log-level", "CRITICAL"],

@@ -367,7 +367,7 @@ def demo(
     """Run the whole system on this machine (Redis, engines, workers, broker, a trainer) and show it live."""
     from pathlib import Path
 
-    from broker.demo import DEFAULT_SCENARIO, DemoSettings, check_demo, run_demo
+    from rollout_broker.demo import DEFAULT_SCENARIO, DemoSettings, check_demo, run_demo
 
     settings = DemoSettings(engines=engines, duration_s=duration, policy=policy,
                             scenario=Path(scenario) if scenario else DEFAULT_SCENARIO,

@@ -41,6 +41,7 @@ from broker.redis_conn import check_redis_url, connect, delete_namespace
 from broker.redis_server import RedisHandle, ensure_redis
 from broker.session import Session, SessionResult, SessionState
 from scenarios import scenario_path
+from sim.workloads.truth import with_truth
 from workers.tools import purge_tool_queues, tool_queues
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class Children:
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.logdir / f"{name}.log", "wb")
-        p = subprocess.Popen([sys.executable, "-m", "broker.cli", *args], cwd=ROOT,
+        p = subprocess.Popen([sys.executable, "-m", "rollout_broker.cli", *args], cwd=ROOT,
                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         log.close()
@@ -116,20 +117,6 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
 
 
 # -- the synthetic trainer ----------------------------------------------------------------------
-
-def with_truth(sim) -> Session:
-    """The public session plus its simulated truth in metadata, for the sim tool and engine
-    (`sim_output_len`). Policies never see metadata; a real trainer sends none of this."""
-    t = sim.truth
-    meta = dict(sim.session.metadata)
-    meta.update(tool="sim", reward="parity", sim_seed=t.token_seed, sim_turns=t.turns,
-                sim_vocab=t.vocab_size,
-                sim_output_tokens=",".join(map(str, t.output_tokens)),
-                sim_tool_latency_s=",".join(f"{x:.4f}" for x in t.tool_latency_s),
-                sim_observation_tokens=",".join(map(str, t.observation_tokens)),
-                sim_final_latency_s=round(t.final_latency_s, 4))
-    return sim.session.model_copy(update={"metadata": meta})
-
 
 @dataclass
 class TrainerStats:
