@@ -18,17 +18,14 @@ from typing import Any
 from broker.policies import register
 from broker.policies.base import PendingItem, ResidentSession
 from broker.policies.misa_t import MisaT
+from broker.policies.misa_t_charges import Predictions
 
 
-@register
-class MisaTTrueLengths(MisaT):
-    name = "misa_t-true-lengths"
-    simulator_only = True
+class TrueLengths(Predictions):
+    """MISA-T's predictions with a turn's output length looked up, where the lookup knows it."""
 
-    def __init__(
-        self, true_output_lengths: Callable[[str], tuple[int, ...]], **params: Any
-    ) -> None:
-        super().__init__(**params)
+    def __init__(self, config: Any, true_output_lengths: Callable[[str], tuple[int, ...]]) -> None:
+        super().__init__(config)
         self._lengths = true_output_lengths
 
     def _true(self, session_id: str, turn_index: int) -> int | None:
@@ -46,3 +43,18 @@ class MisaTTrueLengths(MisaT):
         if n is None:
             return super().turn_output(session, turn_index, progress)
         return float(max(n, progress + 1))
+
+
+@register
+class MisaTTrueLengths(MisaT):
+    name = "misa_t-true-lengths"
+    simulator_only = True
+
+    def __init__(
+        self, true_output_lengths: Callable[[str], tuple[int, ...]], **params: Any
+    ) -> None:
+        self._lengths = true_output_lengths  # (read by _make_predictions during __init__)
+        super().__init__(**params)
+
+    def _make_predictions(self) -> Predictions:
+        return TrueLengths(self.config, self._lengths)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -79,7 +80,7 @@ def test_aimd_backs_off_on_a_preemption() -> None:
     policy = make_policy("misa_t", open_single_turn=False)  # (the loop, on single-turn sessions)
     full = resident("r", reserved=95_000)
     policy.decide(snap([view("a", full, telemetry=hb(1.0, preemptions=3))]))
-    before = policy.alpha["a"]
+    before = policy.alpha_loop.alpha["a"]
     d = policy.decide(snap([view("a", full, alpha=before, telemetry=hb(2.0, preemptions=4))]))
     assert d.alpha["a"] == pytest.approx(before * AimdParams().backoff_preempt)
 
@@ -213,18 +214,18 @@ def learned(policy, *, workload="rlhf", max_turns=1, ratio=0.5, n=16, turns=1) -
 def test_held_per_charged_is_learned_from_single_turn_sessions_over_their_residency() -> None:
     policy = make_policy("misa_t")
     learned(policy, ratio=0.5, n=15)
-    assert policy.models["rlhf"].held_per_charged.ratio() is None  # 15 < min_samples
+    assert policy.predictions.models["rlhf"].held_per_charged.ratio() is None  # 15 < min_samples
     learned(policy, ratio=0.5, n=1)
-    assert policy.models["rlhf"].held_per_charged.ratio() == pytest.approx(0.5)
+    assert policy.predictions.models["rlhf"].held_per_charged.ratio() == pytest.approx(0.5)
     agentic = make_policy("misa_t")  # multi-turn: the context jumps between heartbeats
     learned(agentic, workload="agentic", max_turns=3, turns=2)
-    assert agentic.models["agentic"].held_per_charged.ratio() is None
+    assert agentic.predictions.models["agentic"].held_per_charged.ratio() is None
     restarted = make_policy("misa_t")  # sessions it did not admit have no charge history
     restarted.decide(snap([view("a", *[resident(f"l{i}") for i in range(16)],
                                 telemetry=hb(5.0))], [pending("x")]))
     restarted.decide(snap([view("a")], [pending("y")], now=10.0,
                           done=[completion(f"l{i}", duration=10.0) for i in range(16)]))
-    assert restarted.models["rlhf"].held_per_charged.ratio() is None
+    assert restarted.predictions.models["rlhf"].held_per_charged.ratio() is None
 
 
 def test_the_charge_integral_is_what_the_ledger_charged_a_refused_growth_not_counted() -> None:
@@ -240,7 +241,7 @@ def test_the_charge_integral_is_what_the_ledger_charged_a_refused_growth_not_cou
     charged = 600 * 1.0 + 1100 * 1.0 + 600 * 7.0  # until the heartbeat that shows the refusal
     policy.decide(snap([view("a")], [pending("y")], now=20.0,
                        done=[completion("s", duration=20.0, kv_s=charged)]))
-    ratio = policy.models["rlhf"].held_per_charged.ratio()
+    ratio = policy.predictions.models["rlhf"].held_per_charged.ratio()
     assert ratio == pytest.approx((16 * 5500 + charged) / (16 * 11000 + charged))
 
 
@@ -289,11 +290,11 @@ def test_growth_within_the_noise_of_a_few_residents_is_not_scaled() -> None:
     usage = 800 / CAP
     policy.decide(snap([view("a", *young, telemetry=hb(11.0, usage=usage))], [pending("x")],
                        now=11.0))
-    assert policy._booked["a"].growth == 1.0
+    assert policy.book.booked["a"].growth == 1.0
     many = [resident(f"r{i}", reserved=600, context=200, generated=100) for i in range(64)]
     policy.decide(snap([view("a", *many, telemetry=hb(12.0, usage=64 * 200 / CAP))],
                        [pending("x")], now=12.0))
-    assert policy._booked["a"].growth == pytest.approx(0.5 * 600 / 200)
+    assert policy.book.booked["a"].growth == pytest.approx(0.5 * 600 / 200)
 
 
 def test_admits_only_while_reservations_fit_alpha_times_capacity() -> None:
@@ -398,8 +399,8 @@ def _parked(history: int) -> ResidentSession:
                     generated=history - 3000, turn=3, max_tokens=4096, max_turns=50, parked=True)
 
 
-def _agentic_policy(tool_wait_per_gap: float) -> MisaT:
-    policy = make_policy("misa_t")
+def _agentic_policy(tool_wait_per_gap: float, **config: Any) -> MisaT:
+    policy = make_policy("misa_t", **config)
     policy.decide(snap([view("a")], [pending("w", workload="agentic", max_tokens=4096, max_turns=50)],
                        target={"agentic": 1.0}))
     done = [completion(f"c{i}", workload="agentic", out=300, turns=11,
@@ -416,8 +417,7 @@ def test_parked_agentic_session_stays_charged_while_holding_is_cheaper() -> None
 
 
 def test_parked_agentic_session_is_released_when_re_prefill_is_cheaper() -> None:
-    policy = _agentic_policy(tool_wait_per_gap=600.0)  # ten-minute test runs: release
-    policy.config = dataclasses.replace(policy.config, release_parked=True)
+    policy = _agentic_policy(tool_wait_per_gap=600.0, release_parked=True)  # ten-minute tools
     d = policy.decide(snap([view("a", _parked(20_000), telemetry=hb(1.0, usage=0.6))],
                            target={"agentic": 1.0}))
     assert d.recharge["ag"] == 0
@@ -473,9 +473,9 @@ def test_hold_breaks_even_where_wait_times_history_meets_prefill_price() -> None
     # Re-prefilling H tokens costs (11 µs·H + 1.8 ns·H²/2) of engine time × the resident KV,
     # max(50,000, H); holding costs H × 5 s. Past 50k both scale with H: break-even where
     # 5 = 11e-6·H + 0.9e-9·H², H ≈ 69k. Short histories are cheap to redo, long ones to hold.
-    assert not policy.hold_is_cheaper("agentic", 1_000, 0.0, v)
-    assert not policy.hold_is_cheaper("agentic", 60_000, 0.0, v)
-    assert policy.hold_is_cheaper("agentic", 80_000, 0.0, v)
+    assert not policy.residency.hold_is_cheaper("agentic", 1_000, 0.0, v)
+    assert not policy.residency.hold_is_cheaper("agentic", 60_000, 0.0, v)
+    assert policy.residency.hold_is_cheaper("agentic", 80_000, 0.0, v)
 
 
 def test_residency_ablation_charges_the_cap_once_and_never_recharges() -> None:
@@ -573,11 +573,11 @@ def test_a_blocked_head_is_not_counted_again_in_the_prompt_mean_on_every_call() 
     policy = make_policy("misa_t-residency", adaptive_admission=False)
     placed = [pending(f"s{i}", prompt=100, at=float(i)) for i in range(10)]
     policy.decide(snap([view("a", capacity=20_000)], placed))
-    assert policy.models["rlhf"].prompt_mean == 100.0
+    assert policy.predictions.models["rlhf"].prompt_mean == 100.0
     blocked = [pending("big", prompt=5_000, max_tokens=30_000, at=20.0)]  # fits nowhere
     for t in range(60):
         assert policy.decide(snap([view("a", capacity=20_000)], blocked, now=float(t))).admissions == []
-    assert policy.models["rlhf"].prompt_mean == 100.0
+    assert policy.predictions.models["rlhf"].prompt_mean == 100.0
 
 
 def test_allocation_ablation_admits_oldest_first_across_workloads() -> None:
@@ -832,7 +832,7 @@ def test_sums_kept_for_an_unchanged_backend_give_the_decisions_of_summing_again(
             got = sum(adm.reserved_tokens for adm in a.admissions if adm.backend_id == b)
             if got:
                 held = sum(a.recharge.get(r.session_id, r.reserved_tokens) for r in tuples.get(b, ()))
-                assert held + got <= kept.alpha[b] * caps[b] + 1e-6, f"step {step}, backend {b}"
+                assert held + got <= kept.alpha_loop.alpha[b] * caps[b] + 1e-6, f"step {step}, backend {b}"
         for adm in a.admissions:  # the broker would add them: a new tuple there
             tuples[adm.backend_id] = tuples.get(adm.backend_id, ()) + (
                 resident(adm.session_id, reserved=int(adm.reserved_tokens)),)
@@ -908,14 +908,14 @@ def test_accounting_kept_across_calls_decides_as_accounting_every_backend_again(
             items.append(pending(f"f{step}", workload=rng.choice(("rlhf", "rlvr")), turn=1,
                                  home=home.backend_id, max_turns=3, prompt=4000, at=now))
         a = kept.decide(snap(shown, items, now=now, target=mix))
-        again._placement = None  # (a placement built afresh too)
+        again.book._placement = None  # (a placement built afresh too)
         assert a == again.decide(snap(copies, items, now=now, target=mix)), f"step {step}"
         charged: dict[str, float] = {}
         for v in shown:
             for r in v.sessions:
                 charged[r.workload] = charged.get(r.workload, 0) + a.recharge.get(
                     r.session_id, r.reserved_tokens)
-        assert {w: u for w, u in kept._used.items() if u} == charged, f"step {step}"
+        assert {w: u for w, u in kept.book.used.items() if u} == charged, f"step {step}"
         for adm in a.admissions:  # the broker adds them to the ledger: a new view there ...
             if rng.random() < 0.2:
                 continue  # ... unless the ledger refused it (the same view comes back)
@@ -954,7 +954,7 @@ def test_a_backend_whose_cache_size_changes_is_accounted_again_with_the_same_ses
                                 max_model_len=max_len)
         policy.decide(snap([v], [pending(f"p{step}")]))
         assert policy.prefix._caches["a"].horizon == capacity
-        assert policy._max_len == max_len
+        assert policy.predictions.max_len == max_len
 
 
 def test_one_insert_of_a_groups_tokens_leaves_the_index_as_one_per_member() -> None:

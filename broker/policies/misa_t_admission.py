@@ -1,0 +1,243 @@
+"""MISA-T's admission: steps 4 and 5 of `misa_t.py`, one `AdmissionRound` per decide() call.
+
+The round starts from the book's `Accounted` (the backends' states, KV charged per workload):
+follow-up turns go home first; each workload gets its share σ_w of Σ_b α_b·C_b
+(misa_t_control.shares); then, most under-served workload first, each workload's oldest session
+(with the rest of its GRPO group) goes where `Placement.choose` puts it, until every workload
+has placed everything or its oldest fits nowhere. A blocked, under-served workload keeps the
+backend closest to fitting its oldest for itself within the call.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from broker.policies.base import Admission, Decision, PendingItem, Snapshot
+from broker.policies.misa_t_book import Accounted
+from broker.policies.misa_t_charges import Predictions, Residency
+from broker.policies.misa_t_control import CompletionPacer, admissible, shares
+from broker.policies.misa_t_placement import BackendState, Hits, Placement, Pool
+from broker.policies.misa_t_prefix import PrefixIndex, PrefixKey, prefix_key
+
+if TYPE_CHECKING:
+    from broker.policies.misa_t import Call, MisaTConfig
+
+_TURN = operator.attrgetter("turn")
+
+
+class PrefixKeys:
+    """The prefix keys of pending items, by session (or GRPO group), kept across calls: an
+    item waits through many calls and its key is the same in each."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, PrefixKey] = {}
+
+    def of(self, item: PendingItem) -> PrefixKey:
+        cache_id = item.group_id if item.group_id is not None else item.session_id
+        key = self._keys.get(cache_id)
+        if key is None:
+            key = prefix_key(item.prefix)
+            if len(self._keys) > 65536:
+                self._keys.clear()
+            self._keys[cache_id] = key
+        return key
+
+
+class AdmissionRound:
+    """One call's admissions into `decision` (the placement's states and `used` are updated
+    as it places)."""
+
+    def __init__(self, config: MisaTConfig, predictions: Predictions, residency: Residency,
+                 prefix: PrefixIndex, keys: PrefixKeys, call: Call, accounted: Accounted,
+                 decision: Decision) -> None:
+        self.config = config
+        self.predictions = predictions
+        self.residency = residency
+        self.prefix = prefix
+        self.keys = keys
+        self.call = call
+        self.placement = accounted.placement
+        self.used = accounted.used
+        self.limit_total = accounted.limit_total
+        self.healthy = accounted.healthy
+        self.running = accounted.running  # grows with each placement in the round
+        self.decision = decision
+
+    def run(self, snapshot: Snapshot) -> None:
+        fresh = self._send_follow_ups_home(snapshot.pending)
+        if not fresh:
+            return
+        cfg = self.config
+        quota: dict[str, float] = {}
+        pacer = None
+        if cfg.workload_allocation:
+            kv_seconds = self.predictions.kv_seconds(fresh, snapshot.mixture_target)
+            sigma = shares(snapshot.mixture_target, kv_seconds, snapshot.consumed,
+                           cfg.deficit_gain)
+            quota = {w: s * self.limit_total for w, s in sigma.items()}
+            pacer = self._pacer(snapshot, fresh)
+        self._fill(fresh, quota, pacer)
+
+    def _send_follow_ups_home(
+        self, pending: Mapping[str, Sequence[PendingItem]]
+    ) -> dict[str, Sequence[PendingItem]]:
+        """Place follow-up turns (router mode) on their home backends first, whatever the
+        limits say (their history is cached there); returns each workload's first turns."""
+        fresh: dict[str, Sequence[PendingItem]] = {}
+        by_id: dict[str, BackendState] | None = None
+        for w, items in pending.items():
+            if any(map(_TURN, items)):
+                if by_id is None:
+                    by_id = {b.view.backend_id: b for b in self.placement.backends}
+                for item in items:
+                    if item.turn and item.home_backend in by_id:
+                        charge = self.predictions.charge(item)
+                        home = by_id[item.home_backend]
+                        self._place(item, home, charge)
+                        self.placement.placed(home)
+                        self.used[w] = self.used.get(w, 0.0) + charge
+                items = tuple(item for item in items if not item.turn)
+            if items:
+                fresh[w] = items
+        return fresh
+
+    def _fill(self, fresh: Mapping[str, Sequence[PendingItem]], quota: Mapping[str, float],
+              pacer: CompletionPacer | None) -> None:
+        """Admit, most under-served workload first (oldest first across workloads without
+        allocation), each workload oldest first, until nothing more fits."""
+        cfg, used, placement = self.config, self.used, self.placement
+        cursor = dict.fromkeys(fresh, 0)
+        live = set(fresh)  # the workloads with sessions still to place
+        held: dict[str, BackendState] = {}  # workload -> the backend kept for its blocked oldest
+        pools: dict[str, Pool] = {}  # per workload: backends not held for another
+        while live:
+            if cfg.workload_allocation:
+                # A workload whose oldest session fits nowhere right now does not hold the
+                # others back (work conservation): only workloads still placing count.
+                allowed = admissible(live, used, quota)
+                w = min(allowed, key=lambda v: (used.get(v, 0.0) / max(quota.get(v, 0.0), 1e-9), v))
+                if pacer is not None and pacer.ahead(w):
+                    live.discard(w)  # its completions would crowd the next batches
+                    continue
+            else:
+                w = min(live, key=lambda v: (fresh[v][cursor[v]].enqueued_at, v))
+            pool = pools.get(w)
+            if pool is None:
+                pool = pools[w] = placement.pool([b for v, b in held.items() if v != w])
+            taken, charged, need = self._admit_next(fresh[w], cursor[w], pool)
+            if not taken:
+                live.discard(w)  # its oldest does not fit: FIFO within a workload, no overtaking
+                if self._hold_for(w, quota, pool, need, held):
+                    pools.clear()
+                continue
+            used[w] = used.get(w, 0.0) + charged
+            cursor[w] += taken
+            if pacer is not None:
+                pacer.admitted(w, taken)
+            if cursor[w] >= len(fresh[w]):
+                live.discard(w)
+
+    def _hold_for(self, w: str, quota: Mapping[str, float], pool: Pool, need: float,
+                  held: dict[str, BackendState]) -> bool:
+        """Under-served and blocked: keep the backend closest to fitting `w`'s oldest (most
+        headroom) for it, so the room freed there accumulates instead of going to smaller
+        sessions of other workloads, which would starve it for good (EASY backfilling's
+        reservation for the queue head). Elsewhere lending goes on. True if one is kept."""
+        cfg = self.config
+        if not (cfg.workload_allocation and cfg.hold_for_blocked
+                and self.used.get(w, 0.0) < quota.get(w, 0.0)):
+            return False
+        keep = self.placement.most_room(pool, need)
+        if keep is None:
+            return False
+        held[w] = keep
+        return True
+
+    def _pacer(
+        self, snapshot: Snapshot, fresh: Mapping[str, Sequence[PendingItem]]
+    ) -> CompletionPacer | None:
+        """The mixture pacer for this call, or None when pacing is off."""
+        if self.config.pace_tolerance == math.inf:
+            return None
+        in_flight: dict[str, int] = {}
+        for view in snapshot.backends:
+            for s in view.sessions:
+                in_flight[s.workload] = in_flight.get(s.workload, 0) + 1
+        duration = self.predictions.durations(snapshot.mixture_target, fresh)
+        return CompletionPacer.start(snapshot.mixture_target, self.config.pace_tolerance,
+                                     duration, in_flight, self.config.pace_scope)
+
+    def _admit_next(self, items: Sequence[PendingItem], start: int,
+                    pool: Pool) -> tuple[int, float, float]:
+        """Admit the item at `start` (with the rest of its GRPO group): (how many, KV charged,
+        the charge of the item at `start`)."""
+        head = items[start]
+        need = self.predictions.charge(head)
+        if not self.placement.fits(pool, need):
+            return 0, 0.0, need  # (the usual end of a workload's turn in a call: no lookups)
+        group = [head]
+        if head.group_id is not None and head.group_size > 1:
+            for it in items[start + 1 : start + head.group_size]:
+                if it.group_id != head.group_id or it.turn > 0:
+                    break
+                group.append(it)
+        taken, charged = self._place_group(group, need, pool)
+        return taken, charged, need
+
+    def _place_group(self, group: list[PendingItem], need: float,
+                     pool: Pool) -> tuple[int, float]:
+        """Place the members in order (the first charged `need`) until one fits nowhere:
+        (how many, KV charged).
+
+        The first placement puts the group's prefix in the index, so the rest follow it to
+        that backend while its decode batch stays within the balance slack, and spill to the
+        next one (one more prefill of the shared prompt) beyond it."""
+        placement, head = self.placement, group[0]
+        key = self.keys.of(head) if self.config.prefix_placement else None
+        hits = (placement.hits(self.prefix.matches(key))
+                if key is not None and key.hashes else None)
+        taken, charged = 0, 0.0
+        fed: dict[str, float] = {}  # per backend: KV tokens the group's placements allocate there
+        for it in group:
+            ch = need if it is head else self.predictions.charge(it)
+            target, hit = self._choose(pool, ch, hits)
+            if target is None:
+                break
+            self._place(it, target, ch)
+            placement.placed(target)
+            if key is not None:
+                b = target.view.backend_id
+                fed[b] = fed.get(b, 0.0) + max(0.0, ch - hit)
+            if hits is not None:
+                # The target now holds the whole key, stamped newest; nothing else changed
+                # for it: what `self.prefix.matches(key)` would now say.
+                placement.key_placed(hits, target, key.tokens[-1])
+            taken, charged = taken + 1, charged + ch
+        # Nothing reads the index until the group is placed: one insert per backend it went to
+        # leaves it as one per member would (the same churn, the same newest stamps).
+        for b, tokens in fed.items():
+            self.prefix.insert(key, b, tokens)
+        return taken, charged
+
+    def _choose(self, pool: Pool, charge: float,
+                hits: Hits | None) -> tuple[BackendState | None, int]:
+        """The backend for `charge` tokens, and how much of the key of `hits` it probably
+        caches: balance first (KV use, then running sessions), then the longest cached prefix,
+        then headroom (misa_t_placement.py)."""
+        cfg = self.config
+        run_slack = max(cfg.balance_slack_sessions,
+                        cfg.balance_slack_frac * self.running / self.healthy)
+        return self.placement.choose(pool, charge, hits, run_slack)
+
+    def _place(self, item: PendingItem, target: BackendState, charge: float) -> None:
+        """Admit `item` to `target` (`_place_group` records in the prefix index where it placed
+        each group)."""
+        target.reserved += charge
+        target.running += 1
+        self.running += 1
+        self.decision.admissions.append(Admission(item.session_id, target.view.backend_id,
+                                                  int(charge)))
+        self.residency.admitted(item, charge, self.call.now)
