@@ -244,6 +244,64 @@ class _Span:
     policy_version: int
 
 
+@dataclass(slots=True)
+class _Episode:
+    """One `SessionRunner.run`: the session and what its run has produced so far."""
+
+    session: Session
+    progress: Progress
+    history: list[int]  # every token id the engine has seen or produced, in order
+    records: list[TurnRecord]  # the trajectory (with a resumed run's records first)
+    first: int = 0  # the turn to start from
+    done0: int = 0  # of that turn, output tokens already in `history` (a resumed cut turn)
+    pending: list[int] = field(default_factory=list)  # ... and its input, not in a record yet
+    resume: PartialRollout | None = None
+    text: bool = False  # the tool reads text: detokenize the conversation for each call
+    turns: list[Turn] = field(default_factory=list)  # the turns generated in this run
+    observation: list[int] = field(default_factory=list)  # the tool's reply after the last turn
+    tool_wait: float = 0.0
+    waits: list[tuple[int, float]] = field(default_factory=list)  # (history, seconds) per tool
+    prompt_tokens: int = 0
+    truncated: bool = False
+    reward: float | None = None
+    error: str | None = None
+
+    @classmethod
+    def start(cls, session: Session, progress: Progress) -> _Episode:
+        resume = session.resume_from
+        # The whole conversation as text costs a /detokenize per tool call: only for tools
+        # that read text.
+        ep = cls(session, progress, list(session.prompt_token_ids or ()), [], resume=resume,
+                 text=wants_text(session))
+        if resume is not None:  # a worker drained while it ran: go on from what it had
+            ep.records = list(resume.turn_records)
+            ep.history = list(resume.history_token_ids)
+            ep.first, ep.done0 = resume.turn, resume.turn_output_tokens
+            ep.pending = list(resume.next_input_token_ids)
+            progress.generated_tokens = sum(len(r.output_token_ids) for r in ep.records)
+        return ep
+
+    def outcome(self) -> Outcome:
+        session, records, turns = self.session, self.records, self.turns
+        result = SessionResult(
+            session_id=session.session_id, workload=session.workload, group_id=session.group_id,
+            group_size=session.group_size,
+            status=SessionState.failed if self.error else SessionState.done,
+            turns=len({r.turn for r in records}) if records else len(turns),
+            prompt_tokens=(len(records[0].input_token_ids) if self.resume and records
+                           else self.prompt_tokens),
+            output_tokens=sum(len(r.output_token_ids) for r in records),
+            cached_tokens=sum(t.cached_tokens for t in turns),
+            turn_records=records, reward=self.reward, error=self.error,
+            policy_version=session.policy_version)
+        kv_seconds = kv_token_seconds(
+            [(t.prompt_tokens, len(t.output_token_ids), t.wall_s) for t in turns], self.waits)
+        stats = CompletionStats(turn_output_tokens=[len(t.output_token_ids) for t in turns],
+                                tool_wait_s=self.tool_wait, kv_token_seconds=kv_seconds,
+                                truncated=self.truncated)
+        return Outcome(result=result, stats=stats, turns=turns)
+
+
 class SessionRunner:
     def __init__(self, http: httpx.AsyncClient, engine_url: str, model: str, max_model_len: int,
                  tools: ToolExecutor, settings: RunnerSettings | None = None,
@@ -396,133 +454,114 @@ class SessionRunner:
         engine's. `checkpoint` receives, after each turn whose tool answered, what the session
         would go on from (the worker stores it, so a dead worker or engine loses no finished
         turn)."""
-        progress = progress or Progress(session.session_id)
-        turns: list[Turn] = []
-        records: list[TurnRecord] = []
-        observation: list[int] = []  # the tool's reply after the previous turn
-        tool_wait = 0.0
-        waits: list[tuple[int, float]] = []  # (history tokens, seconds) while a tool ran
-        prompt_tokens = 0
-        reward: float | None = None
-        error: str | None = None
-        truncated = False
-        history: list[int] = list(session.prompt_token_ids or ())
-        first, done0, pending = 0, 0, []  # where to start, and what is not in a record yet
-        resume = session.resume_from
-        if resume is not None:  # a worker drained while it ran: go on from what it had
-            records = list(resume.turn_records)
-            history = list(resume.history_token_ids)
-            first, done0, pending = resume.turn, resume.turn_output_tokens, \
-                list(resume.next_input_token_ids)
-            progress.generated_tokens = sum(len(r.output_token_ids) for r in records)
-        meta = session.metadata
-        # The whole conversation as text costs a /detokenize per tool call: only for tools
-        # that read text.
-        text = wants_text(session)
+        ep = _Episode.start(session, progress or Progress(session.session_id))
         try:
             self._check_vocabulary(session)
-            if not history and resume is None:  # prompt_text: the engine tokenizes it once
-                history = await self.tokenize(session.prompt_text or "", special_tokens=True)
-            for turn in range(first, session.max_turns):
-                resumed = resume is not None and turn == first
-                before = done0 if resumed else 0  # of this turn, already in `history`
-                context = len(history) - before
-                max_tokens = min(session.max_tokens, self.max_model_len - context)
-                if max_tokens < 1:  # the history fills the context: the episode ends here
-                    truncated = True
-                    if turn == 0:
-                        raise EngineError(f"engine: prompt of {context} tokens leaves no room "
-                                          f"under max_model_len {self.max_model_len}")
+            if not ep.history and ep.resume is None:  # prompt_text: the engine tokenizes it once
+                ep.history = await self.tokenize(session.prompt_text or "", special_tokens=True)
+            for turn in range(ep.first, session.max_turns):
+                if not await self._run_turn(ep, turn, checkpoint):
                     break
-                progress.turn = turn + 1
-                progress.context_tokens = context
-                # The turn's input, unless a record already holds it (a resumed cut turn).
-                fed_next = pending if resumed else observation
-                try:
-                    rec, spans = await self.generate_turn(session, history, turn, max_tokens,
-                                                          before)
-                except _TurnCut as cut:
-                    raise self._handoff(records, cut, turn, fed_next, before) from None
-                turns.append(rec)
-                if turn == 0 and not resumed:
-                    prompt_tokens = rec.prompt_tokens
-                    fed = history
-                else:
-                    fed = [] if before else fed_next
-                for i, span in enumerate(spans):
-                    records.append(TurnRecord(
-                        turn=turn, input_token_ids=fed if i == 0 else [],
-                        output_token_ids=span.output_token_ids,
-                        output_logprobs=span.output_logprobs, finish_reason=span.finish_reason,
-                        policy_version=span.policy_version))
-                history = history + rec.output_token_ids
-                progress.generated_tokens += len(rec.output_token_ids)
-                progress.context_tokens = len(history)
-                truncated = rec.finish_reason == "length"
-                if turn + 1 >= session.max_turns:
-                    break
-                progress.waiting_on_tool = True
-                t0 = time.monotonic()
-                outcome = await self.tools.call_tool(ToolCall(
-                    session_id=session.session_id, workload=session.workload,
-                    tool=session.tool or "", turn=turn,
-                    max_turns=session.max_turns, output_token_ids=rec.output_token_ids,
-                    output_text=rec.output_text, history_token_ids=history,
-                    history_text=await self.detokenize(history) if text else "",
-                    context_tokens=len(history), metadata=dict(meta),
-                    time_scale=self.settings.time_scale))
-                observation = list(outcome.observation_token_ids)
-                if outcome.observation_text:
-                    observation += await self.tokenize(outcome.observation_text)
-                waited = time.monotonic() - t0
-                tool_wait += waited
-                waits.append((len(history), waited))
-                progress.waiting_on_tool = False
-                if outcome.done:
-                    break
-                history = history + observation
-                if checkpoint is not None:
-                    await checkpoint(PartialRollout(
-                        turn_records=list(records), history_token_ids=history, turn=turn + 1,
-                        next_input_token_ids=observation))
             if session.reward is not None:
-                progress.waiting_on_tool = True
-                trajectory = SessionResult(session_id=session.session_id,
-                                           workload=session.workload, status=SessionState.done,
-                                           turn_records=records).trajectory()
-                reward = await self.tools.score(RewardCall(
-                    session_id=session.session_id, workload=session.workload,
-                    scorer=session.reward,
-                    output_token_ids=[t.output_token_ids for t in turns],
-                    output_texts=[t.output_text for t in turns],
-                    token_ids=trajectory.token_ids, loss_mask=trajectory.loss_mask,
-                    metadata=dict(meta), time_scale=self.settings.time_scale))
+                ep.reward = await self._score(ep)
         except (EngineError, ToolError) as exc:
-            error = str(exc)
+            ep.error = str(exc)
         except (EngineUnavailable, ToolUnavailable, Handoff):
             raise
         except Exception as exc:
             # The session's data broke the run (metadata that is not what it claims): the
             # session's fault, so it ends failed with the reason instead of running forever.
-            error = f"session: {describe_error(exc)}"
+            ep.error = f"session: {describe_error(exc)}"
         finally:
-            progress.waiting_on_tool = False
-        result = SessionResult(
-            session_id=session.session_id, workload=session.workload, group_id=session.group_id,
-            group_size=session.group_size,
-            status=SessionState.failed if error else SessionState.done,
-            turns=len({r.turn for r in records}) if records else len(turns),
-            prompt_tokens=len(records[0].input_token_ids) if resume and records else prompt_tokens,
-            output_tokens=sum(len(r.output_token_ids) for r in records),
-            cached_tokens=sum(t.cached_tokens for t in turns),
-            turn_records=records, reward=reward, error=error,
-            policy_version=session.policy_version)
-        kv_seconds = kv_token_seconds(
-            [(t.prompt_tokens, len(t.output_token_ids), t.wall_s) for t in turns], waits)
-        stats = CompletionStats(turn_output_tokens=[len(t.output_token_ids) for t in turns],
-                                tool_wait_s=tool_wait, kv_token_seconds=kv_seconds,
-                                truncated=truncated)
-        return Outcome(result=result, stats=stats, turns=turns)
+            ep.progress.waiting_on_tool = False
+        return ep.outcome()
+
+    async def _run_turn(self, ep: _Episode, turn: int,
+                        checkpoint: Callable[[PartialRollout], Awaitable[None]] | None) -> bool:
+        """Generate turn `turn` and call its tool; False when the episode ends here."""
+        session, progress = ep.session, ep.progress
+        resumed = ep.resume is not None and turn == ep.first
+        before = ep.done0 if resumed else 0  # of this turn, already in `history`
+        context = len(ep.history) - before
+        max_tokens = min(session.max_tokens, self.max_model_len - context)
+        if max_tokens < 1:  # the history fills the context: the episode ends here
+            ep.truncated = True
+            if turn == 0:
+                raise EngineError(f"engine: prompt of {context} tokens leaves no room "
+                                  f"under max_model_len {self.max_model_len}")
+            return False
+        progress.turn = turn + 1
+        progress.context_tokens = context
+        # The turn's input, unless a record already holds it (a resumed cut turn).
+        fed_next = ep.pending if resumed else ep.observation
+        try:
+            rec, spans = await self.generate_turn(session, ep.history, turn, max_tokens, before)
+        except _TurnCut as cut:
+            raise self._handoff(ep.records, cut, turn, fed_next, before) from None
+        ep.turns.append(rec)
+        if turn == 0 and not resumed:
+            ep.prompt_tokens = rec.prompt_tokens
+            fed = ep.history
+        else:
+            fed = [] if before else fed_next
+        for i, span in enumerate(spans):
+            ep.records.append(TurnRecord(
+                turn=turn, input_token_ids=fed if i == 0 else [],
+                output_token_ids=span.output_token_ids,
+                output_logprobs=span.output_logprobs, finish_reason=span.finish_reason,
+                policy_version=span.policy_version))
+        ep.history = ep.history + rec.output_token_ids
+        progress.generated_tokens += len(rec.output_token_ids)
+        progress.context_tokens = len(ep.history)
+        ep.truncated = rec.finish_reason == "length"
+        if turn + 1 >= session.max_turns or not await self._call_tool(ep, turn, rec):
+            return False
+        if checkpoint is not None:
+            await checkpoint(PartialRollout(
+                turn_records=list(ep.records), history_token_ids=ep.history, turn=turn + 1,
+                next_input_token_ids=ep.observation))
+        return True
+
+    async def _call_tool(self, ep: _Episode, turn: int, rec: Turn) -> bool:
+        """Run the session's tool on turn `turn`'s output; False when it ends the episode
+        (else its observation joins the history)."""
+        session, history = ep.session, ep.history
+        ep.progress.waiting_on_tool = True
+        t0 = time.monotonic()
+        outcome = await self.tools.call_tool(ToolCall(
+            session_id=session.session_id, workload=session.workload,
+            tool=session.tool or "", turn=turn,
+            max_turns=session.max_turns, output_token_ids=rec.output_token_ids,
+            output_text=rec.output_text, history_token_ids=history,
+            history_text=await self.detokenize(history) if ep.text else "",
+            context_tokens=len(history), metadata=dict(session.metadata),
+            time_scale=self.settings.time_scale))
+        ep.observation = list(outcome.observation_token_ids)
+        if outcome.observation_text:
+            ep.observation += await self.tokenize(outcome.observation_text)
+        waited = time.monotonic() - t0
+        ep.tool_wait += waited
+        ep.waits.append((len(history), waited))
+        ep.progress.waiting_on_tool = False
+        if outcome.done:
+            return False
+        ep.history = history + ep.observation
+        return True
+
+    async def _score(self, ep: _Episode) -> float:
+        """The session's reward from its scorer, on the whole trajectory."""
+        session = ep.session
+        ep.progress.waiting_on_tool = True
+        trajectory = SessionResult(session_id=session.session_id,
+                                   workload=session.workload, status=SessionState.done,
+                                   turn_records=ep.records).trajectory()
+        return await self.tools.score(RewardCall(
+            session_id=session.session_id, workload=session.workload,
+            scorer=session.reward,
+            output_token_ids=[t.output_token_ids for t in ep.turns],
+            output_texts=[t.output_text for t in ep.turns],
+            token_ids=trajectory.token_ids, loss_mask=trajectory.loss_mask,
+            metadata=dict(session.metadata), time_scale=self.settings.time_scale))
 
     @staticmethod
     def _handoff(records: list[TurnRecord], cut: _TurnCut, turn: int, fed_next: list[int],
