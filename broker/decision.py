@@ -21,7 +21,7 @@ which apply the same rule atomically against the ledger as it is by then.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from broker.policies.base import Admission, Decision
@@ -104,3 +104,23 @@ def apply_decision(decision: Decision, ledgers: Mapping[str, LedgerEntry], enfor
             continue
         out.refused.append((adm.session_id, reason))
     return out
+
+
+def touched_backends(
+    decision: Decision, backend_of: Callable[[str], str | None]
+) -> tuple[set[str], set[str]]:
+    """The backends whose ledger entries `decision` can touch, so that a caller hands
+    `apply_decision` only those, not the whole fleet: those of its α changes, of its admissions,
+    and the one each recharged session is charged on (a session is charged on one backend at
+    most), by `backend_of` (None: not known). Returns (backends, recharged sessions whose
+    backend is not known)."""
+    touched = set(decision.alpha)
+    touched.update(adm.backend_id for adm in decision.admissions)
+    unknown = set()
+    for sid in decision.recharge:
+        b = backend_of(sid)
+        if b is not None:
+            touched.add(b)
+        else:
+            unknown.add(sid)
+    return touched, unknown

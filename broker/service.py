@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain, islice
 
-from broker.decision import LedgerEntry, apply_decision
+from broker.decision import LedgerEntry, apply_decision, touched_backends
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
 from broker.keys import BROKER_GROUP, Keys
 from broker import metrics
@@ -523,20 +523,15 @@ class BrokerService:
         # A router baseline forwards everything and lets the engine queue: the ledger charges
         # its sessions but does not hold them back, or the baseline would be secretly admitted.
         enforce = not self.policy.dispatch_on_arrival
-        # Only the ledgers the decision can touch (copied: the plan charges them): of its α
-        # changes, its admissions and the backends of its recharged sessions (each charged on
-        # one at most), not a copy and an index of every resident session on every loop.
-        touched = set(decision.alpha)
-        touched.update(adm.backend_id for adm in decision.admissions)
-        unknown = set()
-        for sid in decision.recharge:
+        # Only the ledgers the decision can touch (copied: the plan charges them), not a copy
+        # and an index of every resident session on every loop.
+        def charged_on(sid: str) -> str | None:
             b = self._placed_on.get(sid)
             led = fleet.ledgers.get(b) if b is not None else None
-            if led is not None and sid in led.sessions:
-                touched.add(b)
-            else:  # admitted by an earlier broker (or moved): look it up
-                unknown.add(sid)
-        if unknown:
+            return b if led is not None and sid in led.sessions else None
+
+        touched, unknown = touched_backends(decision, charged_on)
+        if unknown:  # admitted by an earlier broker (or moved): look them up
             touched.update(b for b, led in fleet.ledgers.items()
                            if any(sid in led.sessions for sid in unknown))
         ledgers = {b: LedgerEntry(capacity_tokens=led.capacity_tokens, alpha=led.alpha,

@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from broker.decision import LedgerEntry, apply_decision
+from broker.decision import LedgerEntry, apply_decision, touched_backends
 from broker.gc_tuning import few_collections
 from broker.policies.base import (
     BackendView,
@@ -433,12 +433,11 @@ class FleetSim:
         charged on one backend at most, its `_Live.backend` (it is released before it is pending
         again), so `apply_decision` reads the same entries as from the whole ledger without
         indexing every resident session of the fleet on every decide."""
-        touched = set(decision.alpha)
-        touched.update(adm.backend_id for adm in decision.admissions)
-        for sid in decision.recharge:
+        def charged_on(sid: str) -> str | None:
             live = self.live.get(sid)
-            if live is not None and live.backend is not None:
-                touched.add(live.backend)
+            return live.backend if live is not None else None
+
+        touched, _ = touched_backends(decision, charged_on)
         pos = self._view_pos
         return {b: self.ledger[b] for b in sorted(touched & pos.keys(), key=pos.__getitem__)}
 

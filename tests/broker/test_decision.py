@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.decision import LedgerEntry, apply_decision
+from broker.decision import LedgerEntry, apply_decision, touched_backends
 from broker.ledger import Ledger
 from broker.keys import Keys
 from broker.policies.base import Admission, Decision, Policy, Snapshot
@@ -111,3 +111,10 @@ def test_kv_token_seconds_has_one_definition():
     # 160 + 5 = 165. Total 825.
     assert kv_token_seconds([(100, 40, 2.0), (160, 10, 1.0)], [(140, 3.0)]) == 825.0
     assert kv_token_seconds([]) == 0.0
+
+
+def test_a_decision_touches_the_backends_of_its_alphas_admissions_and_recharges() -> None:
+    d = Decision(admissions=[Admission("s1", "b1", 10)], recharge={"r2": 5, "r9": 7},
+                 alpha={"b0": 0.9})
+    touched, unknown = touched_backends(d, {"r2": "b2"}.get)
+    assert (touched, unknown) == ({"b0", "b1", "b2"}, {"r9"})
