@@ -9,7 +9,7 @@ from functools import lru_cache
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from broker.redis_conn import check_redis_url
+from broker.redis_conn import DEFAULT_REDIS_URL, check_redis_url
 
 
 class ApiSettings(BaseSettings):
@@ -18,7 +18,7 @@ class ApiSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="RB_API_", extra="ignore", populate_by_name=True)
 
-    redis_url: str = Field(default="redis://127.0.0.1:6379/0",
+    redis_url: str = Field(default=DEFAULT_REDIS_URL,
                            validation_alias=AliasChoices("redis_url", "RB_REDIS_URL"))
     namespace: str = Field(default="default",  # one RL job; see broker/keys.py
                            validation_alias=AliasChoices("namespace", "RB_NAMESPACE"))

@@ -53,6 +53,7 @@ from broker.redis_cluster import (ClusterTarget, address_list, cluster_client, c
 
 T = TypeVar("T")
 
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"  # every command's default (RB_REDIS_URL)
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 0.5
 CONNECTION_RETRIES = 3
@@ -244,7 +245,7 @@ def check_redis_url(url: str, field: str = "redis_url") -> None:
     except ValueError as exc:
         if str(exc).startswith(MIN_REPLICAS_ENV):
             raise ValueError(str(exc)) from None
-        raise ValueError(f"{field}: {_redacted(url)!r}: {exc} (e.g. redis://127.0.0.1:6379/0, or "
+        raise ValueError(f"{field}: {_redacted(url)!r}: {exc} (e.g. {DEFAULT_REDIS_URL}, or "
                          f"{SENTINEL_SCHEME}://host1:26379,host2:26379/<service>, or "
                          "redis+cluster://host1:6379,host2:6379)") from None
 

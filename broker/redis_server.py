@@ -15,9 +15,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from broker.binaries import find_executable
-from broker.redis_conn import SENTINEL_SCHEME, connect
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+from broker.redis_conn import DEFAULT_REDIS_URL, SENTINEL_SCHEME, connect
 
 
 def redis_answers(url: str, timeout: float = 1.0) -> bool:

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from broker.policies import DEFAULT_POLICY
+from broker.redis_conn import DEFAULT_REDIS_URL
 
 app = typer.Typer(
     name="rollout-broker",
@@ -137,7 +138,7 @@ def tiny_model(
 
 @command("broker")
 def broker(
-    redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = DEFAULT_REDIS_URL,
     namespace: Annotated[str, typer.Option(help="key namespace (one RL job)", envvar="RB_NAMESPACE")] = "default",
     policy: Annotated[str, typer.Option(help="policy name (rollout-broker list policies), or package.module:factory", envvar="RB_POLICY")] = DEFAULT_POLICY,
     lease_s: Annotated[float, typer.Option(help="lease period; a standby takes over within 4/3 of it")] = 5.0,
@@ -223,7 +224,7 @@ def bench(
 def worker(
     backend_id: Annotated[str, typer.Option(help="this backend's id (one per engine)", envvar="RB_BACKEND_ID")],
     engine: Annotated[str, typer.Option(help="attach:URL, 'vllm:MODEL ARGS...' (the vLLM arguments after the model) or sim:PROFILE", envvar="RB_ENGINE")],
-    redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = DEFAULT_REDIS_URL,
     namespace: Annotated[str, typer.Option(help="key namespace (one RL job)", envvar="RB_NAMESPACE")] = "default",
     time_scale: Annotated[float, typer.Option(help="sim engines and simulated tools: simulated seconds per wall second")] = 1.0,
     kv_tokens: Annotated[Optional[int], typer.Option(help="sim engines: KV capacity in tokens")] = None,
@@ -282,7 +283,7 @@ def worker(
 
 @command("tools")
 def tools_worker(
-    redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = DEFAULT_REDIS_URL,
     namespace: Annotated[str, typer.Option(help="key namespace (one RL job): its tool queues", envvar="RB_NAMESPACE")] = "default",
     tool_config: Annotated[Optional[str], typer.Option(
         help="TOML file registering the tools and rewards sessions may name",
@@ -306,7 +307,7 @@ def tools_worker(
 @command("probe")
 def probe(
     role: Annotated[str, typer.Argument(help="broker | worker | tools")],
-    redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = DEFAULT_REDIS_URL,
     namespace: Annotated[str, typer.Option(help="key namespace (one RL job)", envvar="RB_NAMESPACE")] = "default",
     backend_id: Annotated[Optional[str], typer.Option(help="worker: its backend id")] = None,
     max_age: Annotated[float, typer.Option(help="tools: seconds since the RQ worker's last heartbeat")] = 60.0,
@@ -362,7 +363,7 @@ def demo(
     kv_tokens: Annotated[Optional[int], typer.Option(help="KV tokens per engine (default: the scenario's)")] = None,
     tools: Annotated[str, typer.Option(help="tool calls and rewards: inline | rq (RQ tool workers)")] = "inline",
     tool_workers: Annotated[int, typer.Option(help="--tools rq: RQ tool worker processes")] = 16,
-    redis_url: Annotated[Optional[str], typer.Option(help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0; a private server if none answers)", envvar="RB_REDIS_URL")] = None,
+    redis_url: Annotated[Optional[str], typer.Option(help="Redis URL (default: $REDIS_URL, else " + DEFAULT_REDIS_URL + "; a private server if none answers)", envvar="RB_REDIS_URL")] = None,
 ) -> None:
     """Run the whole system on this machine (Redis, engines, workers, broker, a trainer) and show it live."""
     from pathlib import Path
@@ -384,7 +385,7 @@ def demo(
 def api(
     host: Annotated[str, typer.Option(help="address to bind; non-loopback needs --token", envvar="RB_API_HOST")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port", envvar="RB_API_PORT")] = 8080,
-    redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = DEFAULT_REDIS_URL,
     namespace: Annotated[str, typer.Option(help="key namespace (one RL job)", envvar="RB_NAMESPACE")] = "default",
     token: Annotated[Optional[str], typer.Option(
         help="bearer token required by the mutating endpoints", envvar="RB_API_TOKEN")] = None,
