@@ -150,6 +150,25 @@ class Keys:
         trainer blocks on instead of polling the hash (capped)."""
         return f"{self.prefix}paused:events"
 
+    # -- tool calls (RQ) ------------------------------------------------------------------------
+    @property
+    def tool_queue(self) -> str:
+        """RQ queue name: tool calls (RQ keeps its list at `rq:queue:<name>`, its registries
+        and jobs under `rq:`; the name carries the hash tag)."""
+        return f"{self.prefix}tools"
+
+    @property
+    def reward_queue(self) -> str:
+        """RQ queue name: reward scoring."""
+        return f"{self.prefix}rewards"
+
+    def tool_replies(self, executor_id: str) -> str:
+        """List: results of one executor's RQ jobs, pushed by their success callback. `*` gives
+        the SCAN pattern of every executor's."""
+        if executor_id != "*":
+            check_backend_id(executor_id)
+        return f"{self.prefix}tool-replies:{executor_id}"
+
     # -- broker ---------------------------------------------------------------------------------
     @property
     def lease(self) -> str:

@@ -27,8 +27,8 @@ loaded at start, from
 Executors:
 - `InlineExecutor` runs the function on a thread of the worker (tests, the demo). A timeout
   abandons the call (a Python thread cannot be killed), so the session fails on time.
-- `RqExecutor` enqueues on the namespace's RQ queues (`tool_queues`: `rb-<ns>-tools`,
-  `rb-<ns>-rewards`; token ids packed, `pack_token_fields`) with RQ's job timeout (the work horse
+- `RqExecutor` enqueues on the namespace's RQ queues (`tool_queues`: `rb:{<ns>}:tools`,
+  `rb:{<ns>}:rewards`; token ids packed, `pack_token_fields`) with RQ's job timeout (the work horse
   is killed), `Retry(max=retries)`, and its failed-job registry keeping what failed for
   `failure_ttl`. CPU tool workers: `rollout-broker tools --redis-url URL`; the registry that
   counts is theirs. A job's success callback pushes its result onto the executor's reply list
@@ -65,6 +65,12 @@ from typing import Any, Protocol
 import numpy as np
 import redis
 from pydantic import BaseModel, ConfigDict, Field
+from rq import SimpleWorker
+
+try:
+    from rq.exceptions import StopRequested
+except ImportError:  # rq before 2.0
+    from rq.worker import StopRequested
 
 from broker.body import pack_ids, unpack_ids
 from broker.keys import Keys
@@ -78,8 +84,8 @@ def tool_queues(namespace: str) -> tuple[str, str]:
     """The RQ queues of one namespace (RL job): tool calls, then reward scoring. Per namespace,
     so that two jobs on one Redis never run each other's tools or leave jobs in each other's
     way."""
-    Keys(namespace)  # the namespace's own checks
-    return f"rb-{namespace}-tools", f"rb-{namespace}-rewards"
+    keys = Keys(namespace)
+    return keys.tool_queue, keys.reward_queue
 
 
 def purge_tool_queues(r: redis.Redis, namespace: str, batch: int = 500) -> int:
@@ -114,7 +120,7 @@ def purge_tool_queues(r: redis.Redis, namespace: str, batch: int = 500) -> int:
             deleted += len(jobs)
         q.delete(delete_jobs=False)
         r.delete(*(registry.key for registry in registries))
-    replies = list(r.scan_iter(match=f"{queues[0]}-replies-*", count=1000))
+    replies = list(r.scan_iter(match=Keys(namespace).tool_replies("*"), count=1000))
     if replies:
         r.delete(*replies)
     return deleted
@@ -527,7 +533,7 @@ class RqExecutor:
         self._tools_queue, self._rewards_queue = tool_queues(namespace)
         self._queues = {name: Queue(name, connection=self._redis, serializer=JSONSerializer)
                         for name in (self._tools_queue, self._rewards_queue)}
-        self._replies = f"{self._tools_queue}-replies-{uuid.uuid4().hex[:12]}"
+        self._replies = Keys(namespace).tool_replies(uuid.uuid4().hex[:12])
         # job id -> (future, what, deadline): every job still in flight
         self._waiting: dict[str, tuple[asyncio.Future, str, float]] = {}
         self._poller: asyncio.Task | None = None
@@ -693,6 +699,85 @@ STOP_CHECK_S = 1  # an idle tool worker looks for a stop this often (whole secon
 REPEAT_S = 1.0
 
 
+class ToolWorker(SimpleWorker):
+    """RQ's in-process worker with fewer round trips and a stop it always sees
+    (`run_tool_worker` sets `stop_event`: a SIGTERM/SIGINT, or its caller's stop)."""
+
+    stop_event: threading.Event
+    # Round trips: RQ sends a heartbeat outside a pipeline as three commands, one round
+    # trip each, three times a job, writes the worker's state twice a job when once would
+    # do, and asks Redis whether workers are suspended before every job; 21 round trips a
+    # job in all. Here a beat is one pipeline, and is skipped within REPEAT_S of the last
+    # one, in RQ's transaction or not; an unchanged state is not rewritten; suspension
+    # (`rq suspend`) is looked up at most once in REPEAT_S: 10.
+    _last_beat_at: float | None = None  # monotonic time of the last heartbeat sent
+    _state_written: str | None = None  # the state last written outside a pipeline
+    _suspension_checked_at: float | None = None
+
+    def heartbeat(self, timeout=None, pipeline=None):
+        t = time.monotonic()
+        if pipeline is not None:  # part of RQ's transaction, which RQ sends at once
+            self._last_beat_at = t
+            return super().heartbeat(timeout, pipeline)
+        if self._last_beat_at is not None and t - self._last_beat_at < REPEAT_S:
+            return None
+        with self.connection.pipeline(transaction=False) as pipe:
+            super().heartbeat(timeout, pipe)
+            pipe.execute()
+        self._last_beat_at = t
+        return None
+
+    def set_state(self, state, pipeline=None):
+        if pipeline is None and state == self._state_written:
+            self._state = state
+            return
+        super().set_state(state, pipeline)
+        self._state_written = state if pipeline is None else None
+
+    def check_for_suspension(self, burst):
+        t = time.monotonic()
+        checked = self._suspension_checked_at
+        if checked is not None and t - checked < REPEAT_S:
+            return None
+        self._suspension_checked_at = t
+        return super().check_for_suspension(burst)
+
+    def request_stop(self, signum, frame):  # RQ's handler of SIGTERM/SIGINT
+        # An idle RQ worker raises StopRequested from the handler, that is from inside its
+        # BLPOP or just after it: a job popped then is in no queue and no registry, lost
+        # (its caller waits out its deadline). So the stop is only recorded here, and the
+        # listening below ends at the next slice; a popped job runs first.
+        self.stop_event.set()
+        try:
+            super().request_stop(signum, frame)
+        except StopRequested:
+            self._stop_requested = True
+
+    def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
+        if timeout is None:  # burst: one non-blocking look
+            return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        # In slices, to see a stop. A stop that came before RQ installed its signal handlers
+        # (RQ registers the worker first) ends the loop here too, in RQ's clean stop, which
+        # deregisters the worker.
+        while not (self._stop_requested or self.stop_event.is_set()):
+            found = super().dequeue_job_and_maintain_ttl(STOP_CHECK_S, STOP_CHECK_S)
+            if found is not None:
+                return found
+        return None
+
+    def subscribe(self):
+        # RQ's own listens for its commands (`rq` shutdown, stop-job) on a thread that
+        # waits up to 60 s for a message, and redis-py 8.2's PubSubWorkerThread.stop()
+        # waits for that thread: when the thread had read the unsubscribe of RQ's teardown
+        # before stop() asked it to end, it waited out those 60 s before the worker could
+        # exit (5 of 25 stops under load). This one waits at most STOP_CHECK_S.
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(
+            sleep_time=STOP_CHECK_S, daemon=True,
+            exception_handler=getattr(self, "_pubsub_exception_handler", None))
+
+
 def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "default",
                     burst: bool = False, name: str | None = None,
                     stop: threading.Event | None = None) -> None:
@@ -707,96 +792,12 @@ def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "de
     a job; this loop then waits for Redis and starts RQ's loop again, so a Redis restart never
     ends the process. SIGTERM/SIGINT stop it (RQ's warm shutdown: a job it has taken from the
     queue runs first), as does setting `stop`; an idle worker stops within STOP_CHECK_S."""
-    from rq import Queue, SimpleWorker
+    from rq import Queue
     from rq.serializers import JSONSerializer
-
-    try:
-        from rq.exceptions import StopRequested
-    except ImportError:  # rq before 2.0
-        from rq.worker import StopRequested
 
     stop = stop or threading.Event()
     queues = tool_queues(namespace)
     _refuse_cluster(redis_url, "tools_redis_url")
-
-    class ToolWorker(SimpleWorker):
-        # Round trips: RQ sends a heartbeat outside a pipeline as three commands, one round
-        # trip each, three times a job, writes the worker's state twice a job when once would
-        # do, and asks Redis whether workers are suspended before every job; 21 round trips a
-        # job in all. Here a beat is one pipeline, and is skipped within REPEAT_S of the last
-        # one, in RQ's transaction or not; an unchanged state is not rewritten; suspension
-        # (`rq suspend`) is looked up at most once in REPEAT_S: 10.
-        _last_beat_at: float | None = None  # monotonic time of the last heartbeat sent
-        _state_written: str | None = None  # the state last written outside a pipeline
-        _suspension_checked_at: float | None = None
-
-        def heartbeat(self, timeout=None, pipeline=None):
-            t = time.monotonic()
-            if pipeline is not None:  # part of RQ's transaction, which RQ sends at once
-                self._last_beat_at = t
-                return super().heartbeat(timeout, pipeline)
-            if self._last_beat_at is not None and t - self._last_beat_at < REPEAT_S:
-                return None
-            with self.connection.pipeline(transaction=False) as pipe:
-                super().heartbeat(timeout, pipe)
-                pipe.execute()
-            self._last_beat_at = t
-            return None
-
-        def set_state(self, state, pipeline=None):
-            if pipeline is None and state == self._state_written:
-                self._state = state
-                return
-            super().set_state(state, pipeline)
-            self._state_written = state if pipeline is None else None
-
-        def check_for_suspension(self, burst):
-            t = time.monotonic()
-            checked = self._suspension_checked_at
-            if checked is not None and t - checked < REPEAT_S:
-                return None
-            self._suspension_checked_at = t
-            return super().check_for_suspension(burst)
-
-        def request_stop(self, signum, frame):  # RQ's handler of SIGTERM/SIGINT
-            # An idle RQ worker raises StopRequested from the handler, that is from inside its
-            # BLPOP or just after it: a job popped then is in no queue and no registry, lost
-            # (its caller waits out its deadline). So the stop is only recorded here, and the
-            # listening below ends at the next slice; a popped job runs first.
-            stop.set()
-            try:
-                super().request_stop(signum, frame)
-            except StopRequested:
-                self._stop_requested = True
-
-        def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
-            if timeout is None:  # burst: one non-blocking look
-                return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
-            while not (self._stop_requested or stop.is_set()):  # in slices, to see a stop
-                found = super().dequeue_job_and_maintain_ttl(STOP_CHECK_S, STOP_CHECK_S)
-                if found is not None:
-                    return found
-            return None
-
-        def subscribe(self):
-            # RQ's own listens for its commands (`rq` shutdown, stop-job) on a thread that
-            # waits up to 60 s for a message, and redis-py 8.2's PubSubWorkerThread.stop()
-            # waits for that thread: when the thread had read the unsubscribe of RQ's teardown
-            # before stop() asked it to end, it waited out those 60 s before the worker could
-            # exit (5 of 25 stops under load). This one waits at most STOP_CHECK_S.
-            self.pubsub = self.connection.pubsub()
-            self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
-            self.pubsub_thread = self.pubsub.run_in_thread(
-                sleep_time=STOP_CHECK_S, daemon=True,
-                exception_handler=getattr(self, "_pubsub_exception_handler", None))
-
-        def _install_signal_handlers(self):
-            # RQ registers the worker before it installs its handlers; a SIGTERM in between
-            # (ours, below, caught it) must still end in RQ's clean stop, which deregisters
-            # the worker, or its registration outlives it by RQ's worker TTL (minutes).
-            super()._install_signal_handlers()
-            if stop.is_set():
-                self._stop_requested = True
 
     use_registry(registry)
     if threading.current_thread() is threading.main_thread():
@@ -808,6 +809,7 @@ def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "de
         worker = ToolWorker([Queue(q, connection=conn, serializer=JSONSerializer)
                              for q in queues],
                             connection=conn, serializer=JSONSerializer, name=name)
+        worker.stop_event = stop
         worker.max_connection_wait_time = BACKOFF_CAP_S  # RQ's own wait, capped like ours
         try:
             worker.work(burst=burst, logging_level="WARNING")

@@ -19,7 +19,8 @@ from broker.redis_cluster import (
 from broker.redis_conn import check_redis_url, connect, durability, is_outage
 from workers.tools import RqExecutor, tools_redis_url
 
-SAMPLE_ARGS = {"workload": "rlvr", "backend_id": "gpu-0.a", "session_id": "s:1.x-2"}
+SAMPLE_ARGS = {"workload": "rlvr", "backend_id": "gpu-0.a", "session_id": "s:1.x-2",
+               "executor_id": "3f2a9c1b0d4e"}
 
 
 def every_key(keys: Keys) -> dict[str, str]:

@@ -103,17 +103,18 @@ def test_a_tool_worker_rides_out_a_redis_restart(tmp_path):
 def test_rq_queues_are_per_namespace(redis_url, redis_client):
     from workers.tools import run_tool, tool_queues
 
-    assert tool_queues("job-a") == ("rb-job-a-tools", "rb-job-a-rewards")
+    assert tool_queues("job-a") == ("rb:{job-a}:tools", "rb:{job-a}:rewards")  # keys.py's tag
     with pytest.raises(ValueError, match="namespace"):
         tool_queues("a:b")
     ex = RqExecutor(redis_url, "job-a", timeout_s=1.0)
     try:
-        before = redis_client.llen("rq:queue:rb-job-a-tools")
-        ex._enqueue("rb-job-a-tools", "tool sim", run_tool, call("sim").model_dump())
-        assert redis_client.llen("rq:queue:rb-job-a-tools") == before + 1
-        assert not redis_client.exists("rq:queue:rb-job-b-tools")
+        before = redis_client.llen("rq:queue:rb:{job-a}:tools")
+        ex._enqueue("rb:{job-a}:tools", "tool sim", run_tool, call("sim").model_dump())
+        assert redis_client.llen("rq:queue:rb:{job-a}:tools") == before + 1
+        assert not redis_client.exists("rq:queue:rb:{job-b}:tools")
+        assert ex._replies.startswith("rb:{job-a}:tool-replies:")
     finally:
-        redis_client.delete("rq:queue:rb-job-a-tools")
+        redis_client.delete("rq:queue:rb:{job-a}:tools")
         asyncio.run(ex.aclose())
 
 
@@ -198,7 +199,7 @@ def test_a_reply_that_cannot_be_pushed_does_not_fail_the_job():
 
     class Job:
         id = "j1"
-        meta = {"reply_to": "rb-x-tools-replies-1"}
+        meta = {"reply_to": "rb:{x}:tool-replies:1"}
 
     class DownRedis:
         def pipeline(self, transaction=True):
@@ -350,7 +351,8 @@ def test_purge_leaves_nothing_of_the_namespace_tool_queues(redis_url, namespace,
         assert purge_tool_queues(redis_client, namespace) == 7
         for job_id in done + queued:
             assert not redis_client.exists(f"rq:job:{job_id}", f"rq:results:{job_id}")
-        left = [k for k in redis_client.scan_iter(match=f"*rb-{namespace}-*", count=1000)]
+        left = [k for pattern in (f"rq:*rb:{{{namespace}}}:*", f"rb:{{{namespace}}}:tool*")
+                for k in redis_client.scan_iter(match=pattern, count=1000)]
         assert left == []
         q = Queue(other._tools_queue, connection=redis_client, serializer=JSONSerializer)
         assert q.get_job_ids() == [kept]
