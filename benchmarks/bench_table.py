@@ -1,4 +1,5 @@
-"""Markdown tables from `rollout-broker bench --json` files (how the tables of docs/misa-t.md §1b are made).
+"""Markdown tables from `rollout-broker bench --json` files (how the tables of
+docs/results/misa-t.md §1b are made).
 
     python benchmarks/bench_table.py OUT.json [OUT2.json ...]
 

@@ -30,7 +30,7 @@ process group; also on Ctrl-C, SIGTERM and errors):
   observation tokens and `sim_output_len` are exactly what a worker would send. (Until
   2026-12-02 this process ran every session itself: at 512 in flight it used 0.80–0.95 of a
   core and the router's engines sat at 31–48% KV, so the router path measured the trainer, not
-  the router: docs/misa-t.md §1c.)
+  the router: docs/results/misa-t.md §1c.)
 - `broker:POLICY`: a private Redis, `rollout-broker broker --policy POLICY`, one
   `rollout-broker worker --engine attach:URL --time-scale X` per engine; this process is the
   trainer, a `RolloutClient` that enqueues and reads results.

@@ -83,7 +83,7 @@ class MisaTConfig:
     # Mixture pacing (misa_t_control.CompletionPacer), off at inf: a workload in `pace_scope`
     # ("fast": finishing sooner than the mixture's mean session; "all") whose share of the
     # expected completion rate is above (1 + pace_tolerance)·π_w admits nothing more while
-    # others run. It trades throughput for drift in fifo consumption (docs/misa-t.md §5,
+    # others run. It trades throughput for drift in fifo consumption (docs/results/misa-t.md §5,
     # revision 6); the `misa_t-paced` variant sets 0 and "fast".
     pace_tolerance: float = math.inf
     pace_scope: str = "fast"
@@ -94,10 +94,10 @@ class MisaTConfig:
     balance_slack_sessions: int = 1
     balance_slack_frac: float = 0.15
     recharge_tolerance: float = 0.05  # re-charge only when a charge moves by more than this fraction
-    # Anticipate the growth of young residents (docs/misa-t.md §2, step 3): scale ρ_b by how much
-    # more of their charge single-turn residents will hold, judged by finished sessions, once
-    # that factor is beyond `growth_noise_band`/√n of 1 (n such residents: the spread of n
-    # sessions' context-per-charge around its mean is about 1/√n of it).
+    # Anticipate the growth of young residents (docs/misa-t.md, "The algorithm", step 3):
+    # scale ρ_b by how much more of their charge single-turn residents will hold, judged by
+    # finished sessions, once that factor is beyond `growth_noise_band`/√n of 1 (n such
+    # residents: the spread of n sessions' context-per-charge around its mean is about 1/√n).
     anticipate_growth: bool = True
     growth_noise_band: float = 2.0
     # Re-evaluate a session's charge once it has produced this many tokens more (~6 s of decode
@@ -108,8 +108,8 @@ class MisaTConfig:
     # engine step time per recomputed token and per (query, key) pair of that recompute.
     prefill_s_per_token: float = 11e-6
     prefill_s_per_pair: float = 1.8e-9
-    # Open admission (docs/misa-t.md §2, step 3): once every workload of the mixture has been
-    # seen and none is multi-turn, each backend admits up to `open_alpha`·C_b (the trainer's
+    # Open admission (docs/misa-t.md, "The algorithm", step 3): once every workload of the
+    # mixture has been seen and none is multi-turn, each backend admits up to `open_alpha`·C_b (the trainer's
     # in-flight bound binds first) and its engine queues what does not fit. Nothing is parked
     # between turns then, so the cache holds nothing that a preemption or an eviction would
     # cost a later turn, and vLLM preempts the request it scheduled last, whose recompute
@@ -188,5 +188,5 @@ register_factory("misa_t-allocation", _variant("misa_t-allocation", workload_all
 register_factory("misa_t-residency", _variant("misa_t-residency", residency_accounting=False))
 # Not an ablation: MISA-T with mixture pacing, for fifo trainers that keep enough sessions in
 # flight to fill the KV cache; where the trainer's buffer is the limit it costs throughput
-# (docs/misa-t.md §5, revision 6).
+# (docs/results/misa-t.md §5, revision 6).
 register_factory("misa_t-paced", _variant("misa_t-paced", pace_tolerance=0.0))

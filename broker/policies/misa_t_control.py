@@ -39,7 +39,7 @@ class AimdParams:
     # Not a limit the loop aims at: a guard against a ratio measured on a backend whose few
     # sessions have barely started (ρ near 0 asks for an unbounded α). It does bind in cold
     # starts, where charges sit at the length caps; a guard of 8 was tried and not kept
-    # (docs/misa-t.md §4: neutral on a held-out draw, more preemptions under contention).
+    # (docs/results/misa-t.md §4: neutral on a held-out draw, more preemptions under contention).
     alpha_max: float = 4.0
     usage_ratio_gain: float = 0.3  # EWMA gain of ρ_b per heartbeat (~3 s memory at 1 s)
     min_charged: float = 0.05  # ρ_b is measured only while this fraction of C_b is charged
@@ -189,7 +189,7 @@ class CompletionPacer:
     session (d_w < Σ π_v·d_v): their admissions land in the next batches, and holding one back
     costs seconds of its own work. Holding back a slow workload idles its KV for minutes and
     shapes completions too far ahead to steer the next batches. Scope `all` paces every
-    workload (docs/misa-t.md §5, revision 6, and its git history measure both).
+    workload (docs/results/misa-t.md §5, revision 6, and its git history measure both).
     """
 
     target: Mapping[str, float]  # π_w

@@ -1,5 +1,5 @@
 """benchmarks/live_ab.py on real engines: its options are checked before anything starts (the
-runs themselves take minutes; docs/misa-t.md has their figures)."""
+runs themselves take minutes; docs/results/misa-t.md §1c has their figures)."""
 
 from __future__ import annotations
 
