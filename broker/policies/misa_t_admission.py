@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from broker.policies.base import Admission, Decision, PendingItem, Snapshot
@@ -46,25 +47,23 @@ class PrefixKeys:
         return key
 
 
+@dataclass(slots=True)
 class AdmissionRound:
-    """One call's admissions into `decision` (the placement's states and `used` are updated
-    as it places)."""
+    """One call's admissions into `decision` (the placement's states and `accounted.used` are
+    updated as it places)."""
 
-    def __init__(self, config: MisaTConfig, predictions: Predictions, residency: Residency,
-                 prefix: PrefixIndex, keys: PrefixKeys, call: Call, accounted: Accounted,
-                 decision: Decision) -> None:
-        self.config = config
-        self.predictions = predictions
-        self.residency = residency
-        self.prefix = prefix
-        self.keys = keys
-        self.call = call
-        self.placement = accounted.placement
-        self.used = accounted.used
-        self.limit_total = accounted.limit_total
-        self.healthy = accounted.healthy
-        self.running = accounted.running  # grows with each placement in the round
-        self.decision = decision
+    config: MisaTConfig
+    predictions: Predictions
+    residency: Residency
+    prefix: PrefixIndex
+    keys: PrefixKeys
+    call: Call
+    accounted: Accounted
+    decision: Decision
+    running: int = -1  # sessions running on the healthy backends, growing with each placement
+
+    def __post_init__(self) -> None:
+        self.running = self.accounted.running
 
     def run(self, snapshot: Snapshot) -> None:
         fresh = self._send_follow_ups_home(snapshot.pending)
@@ -77,7 +76,7 @@ class AdmissionRound:
             kv_seconds = self.predictions.kv_seconds(fresh, snapshot.mixture_target)
             sigma = shares(snapshot.mixture_target, kv_seconds, snapshot.consumed,
                            cfg.deficit_gain)
-            quota = {w: s * self.limit_total for w, s in sigma.items()}
+            quota = {w: s * self.accounted.limit_total for w, s in sigma.items()}
             pacer = self._pacer(snapshot, fresh)
         self._fill(fresh, quota, pacer)
 
@@ -90,15 +89,16 @@ class AdmissionRound:
         by_id: dict[str, BackendState] | None = None
         for w, items in pending.items():
             if any(map(_TURN, items)):
+                placement, used = self.accounted.placement, self.accounted.used
                 if by_id is None:
-                    by_id = {b.view.backend_id: b for b in self.placement.backends}
+                    by_id = {b.view.backend_id: b for b in placement.backends}
                 for item in items:
                     if item.turn and item.home_backend in by_id:
                         charge = self.predictions.charge(item)
                         home = by_id[item.home_backend]
                         self._place(item, home, charge)
-                        self.placement.placed(home)
-                        self.used[w] = self.used.get(w, 0.0) + charge
+                        placement.placed(home)
+                        used[w] = used.get(w, 0.0) + charge
                 items = tuple(item for item in items if not item.turn)
             if items:
                 fresh[w] = items
@@ -108,7 +108,7 @@ class AdmissionRound:
               pacer: CompletionPacer | None) -> None:
         """Admit, most under-served workload first (oldest first across workloads without
         allocation), each workload oldest first, until nothing more fits."""
-        cfg, used, placement = self.config, self.used, self.placement
+        cfg, used, placement = self.config, self.accounted.used, self.accounted.placement
         cursor = dict.fromkeys(fresh, 0)
         live = set(fresh)  # the workloads with sessions still to place
         held: dict[str, BackendState] = {}  # workload -> the backend kept for its blocked oldest
@@ -148,9 +148,9 @@ class AdmissionRound:
         reservation for the queue head). Elsewhere lending goes on. True if one is kept."""
         cfg = self.config
         if not (cfg.workload_allocation and cfg.hold_for_blocked
-                and self.used.get(w, 0.0) < quota.get(w, 0.0)):
+                and self.accounted.used.get(w, 0.0) < quota.get(w, 0.0)):
             return False
-        keep = self.placement.most_room(pool, need)
+        keep = self.accounted.placement.most_room(pool, need)
         if keep is None:
             return False
         held[w] = keep
@@ -176,7 +176,7 @@ class AdmissionRound:
         the charge of the item at `start`)."""
         head = items[start]
         need = self.predictions.charge(head)
-        if not self.placement.fits(pool, need):
+        if not self.accounted.placement.fits(pool, need):
             return 0, 0.0, need  # (the usual end of a workload's turn in a call: no lookups)
         group = [head]
         if head.group_id is not None and head.group_size > 1:
@@ -195,7 +195,7 @@ class AdmissionRound:
         The first placement puts the group's prefix in the index, so the rest follow it to
         that backend while its decode batch stays within the balance slack, and spill to the
         next one (one more prefill of the shared prompt) beyond it."""
-        placement, head = self.placement, group[0]
+        placement, head = self.accounted.placement, group[0]
         key = self.keys.of(head) if self.config.prefix_placement else None
         hits = (placement.hits(self.prefix.matches(key))
                 if key is not None and key.hashes else None)
@@ -229,8 +229,8 @@ class AdmissionRound:
         then headroom (misa_t_placement.py)."""
         cfg = self.config
         run_slack = max(cfg.balance_slack_sessions,
-                        cfg.balance_slack_frac * self.running / self.healthy)
-        return self.placement.choose(pool, charge, hits, run_slack)
+                        cfg.balance_slack_frac * self.running / self.accounted.healthy)
+        return self.accounted.placement.choose(pool, charge, hits, run_slack)
 
     def _place(self, item: PendingItem, target: BackendState, charge: float) -> None:
         """Admit `item` to `target` (`_place_group` records in the prefix index where it placed
