@@ -172,7 +172,7 @@ def broker(
     _serve_metrics(metrics_port)
     service = BrokerService(redis_url, namespace, chosen,
                             BrokerSettings(lease_period_s=lease_s, window=window))
-    with few_collections():  # broker/gc_tuning.py: measured in docs/measurement.md, Scale
+    with few_collections():  # broker/gc_tuning.py; measured: docs/results/measurement.md
         service.run(stop)
 
 
