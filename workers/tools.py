@@ -721,9 +721,16 @@ class ToolWorker(SimpleWorker):
             return super().heartbeat(timeout, pipeline)
         if self._last_beat_at is not None and t - self._last_beat_at < REPEAT_S:
             return None
-        with self.connection.pipeline(transaction=False) as pipe:
-            super().heartbeat(timeout, pipe)
-            pipe.execute()
+        try:
+            with self.connection.pipeline(transaction=False) as pipe:
+                super().heartbeat(timeout, pipe)
+                pipe.execute()
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            # RQ's listening loop retries a lost connection forever, beating first each time;
+            # a stop asked meanwhile ends it here (nothing can be popped while Redis is down).
+            if self.stop_event.is_set():
+                raise StopRequested() from None
+            raise
         self._last_beat_at = t
         return None
 
@@ -806,14 +813,15 @@ def run_tool_worker(redis_url: str, registry: ToolRegistry, namespace: str = "de
     outage = Outage("tool worker", log)
     conn = connect(redis_url)
     while not stop.is_set():
-        worker = ToolWorker([Queue(q, connection=conn, serializer=JSONSerializer)
-                             for q in queues],
-                            connection=conn, serializer=JSONSerializer, name=name)
-        worker.stop_event = stop
-        worker.max_connection_wait_time = BACKOFF_CAP_S  # RQ's own wait, capped like ours
         try:
+            # (RQ names its connection in Redis as it makes the worker: Redis must answer)
+            worker = ToolWorker([Queue(q, connection=conn, serializer=JSONSerializer)
+                                 for q in queues],
+                                connection=conn, serializer=JSONSerializer, name=name)
+            worker.stop_event = stop
+            worker.max_connection_wait_time = BACKOFF_CAP_S  # RQ's own wait, capped like ours
             worker.work(burst=burst, logging_level="WARNING")
-        except Exception as exc:  # an outage while RQ registers or tears down
+        except Exception as exc:  # an outage as RQ makes, registers or tears down the worker
             if not is_outage(exc):
                 raise
             outage.failed(exc)

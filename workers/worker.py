@@ -42,9 +42,10 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import httpx
 
@@ -71,6 +72,7 @@ from workers.runner import (
 from workers.tools import ToolExecutor, ToolUnavailable, describe_error, import_callable
 
 log = logging.getLogger("rollout_broker.worker")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,23 +167,51 @@ class Worker:
             self._outage.ok()
             return out
 
+    async def _unless_stopped(self, work: Awaitable[T]) -> T | None:
+        """`work`'s result, or None as soon as `self._stop` is set first (`work` is cancelled:
+        a start that waits for Redis or the engine must not outlive a SIGTERM)."""
+        task = asyncio.ensure_future(work)
+        stopped = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+
+    def _close_unstarted(self) -> None:
+        """Release what a worker that never served holds (a Redis call still blocked in its
+        thread is left to end by itself)."""
+        self._io.shutdown(wait=False, cancel_futures=True)
+        self.link.close()
+
     # -- lifecycle ------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, then drain. Returns when everything is published or
-        handed back."""
+        handed back, or at once when `stop` is set before the worker has registered (while
+        it waits for its engine or for Redis)."""
         s = self.settings
         self._stop = stop
         if self.info is None:
-            self.info = await asyncio.to_thread(read_engine_info, self.engine_url,
-                                                weight_reload=self.weights_hook is not None)
-        weights = await self._redis_until_ok(self.link.weights_state)
+            self.info = await self._unless_stopped(asyncio.to_thread(
+                read_engine_info, self.engine_url, weight_reload=self.weights_hook is not None))
+        weights = None if self.info is None else \
+            await self._unless_stopped(self._redis_until_ok(self.link.weights_state))
+        if weights is None:
+            log.info("worker %s: stopped before it started", s.backend_id)
+            self._close_unstarted()
+            return
         # The namespace serves a version already: its weights go in before anything is admitted
         # here. (A pause from now on is in the control stream, read from `control_id`.)
         if weights.version is not None and not await self._load_weights(weights.version):
             self._io.shutdown(wait=True)
             self.link.close()
             return
-        await self._register()
+        if not await self._unless_stopped(self._register()):
+            log.info("worker %s: stopped before it registered", s.backend_id)
+            self._close_unstarted()
+            return
         self.weights = EngineWeights(weights.version)
         limits = httpx.Limits(max_connections=s.max_connections,
                               max_keepalive_connections=min(256, s.max_connections))
@@ -318,7 +348,7 @@ class Worker:
                  time.monotonic() - t0)
         return True
 
-    async def _register(self) -> None:
+    async def _register(self) -> bool:
         assert self.info is not None
         vocab = self.settings.vocab_size or self.info.vocab_size
         await self._redis_until_ok(self.link.register, self.info.capacity_tokens,
@@ -327,6 +357,7 @@ class Worker:
         log.info("worker %s: registered, capacity %d tokens, max_model_len %d, vocabulary %s",
                  self.settings.backend_id, self.info.capacity_tokens, self.info.max_model_len,
                  vocab or "unknown")
+        return True
 
     async def _withdraw(self, deadline_s: float) -> None:
         """Hand everything admitted here back (see `WorkerLink.withdraw`); if Redis stays down
