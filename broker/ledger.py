@@ -55,6 +55,7 @@ class EnqueueLimits:
 
     max_model_len: int | None = None  # the largest context limit: a prompt must fit one backend
     vocab_size: int | None = None  # the smallest vocabulary: a session may land on any backend
+    capacity_tokens: int | None = None  # the largest KV cache: a session must fit one backend
 
 
 def parse_ledger(backend_id: str, fields: dict, sessions: dict) -> LedgerState | None:
@@ -167,7 +168,9 @@ def enqueue_limits(keys: Keys) -> Plan[EnqueueLimits]:
     ids = sorted(as_text(b) for b in (yield cmd("smembers", keys.backends)))
     replies = yield batch([Cmd("hmget", (keys.ledger(b), "capacity", "max_model_len",
                                          "vocab_size")) for b in ids])
-    rows = [(int(m or 0), int(v) if v else None) for cap, m, v in replies if cap is not None]
-    vocabs = [v for _, v in rows if v is not None]
-    return EnqueueLimits(max_model_len=max((m for m, _ in rows), default=None),
-                         vocab_size=min(vocabs, default=None))
+    rows = [(int(cap), int(m or 0), int(v) if v else None)
+            for cap, m, v in replies if cap is not None]
+    vocabs = [v for _, _, v in rows if v is not None]
+    return EnqueueLimits(max_model_len=max((m for _, m, _ in rows), default=None),
+                         vocab_size=min(vocabs, default=None),
+                         capacity_tokens=max((c for c, _, _ in rows), default=None))

@@ -93,6 +93,9 @@ def validate_batch(
                 f"sessions[{i}].{field}: prompt of {s.prompt_len_hint} tokens does not fit any "
                 f"backend (largest max_model_len is {limits.max_model_len})"
             )
+        unfit = session_fit_error(s, limits)
+        if unfit is not None:
+            raise ValueError(f"sessions[{i}].{unfit}")
         if limits.vocab_size is not None and s.prompt_token_ids:
             top = max(s.prompt_token_ids)
             if top >= limits.vocab_size:
@@ -102,6 +105,26 @@ def validate_batch(
                 )
         out.append(s)
     return out
+
+
+def session_fit_error(s: Session, limits: EnqueueLimits) -> str | None:
+    """Why a new session's first request fits no backend with these limits (the largest
+    context and KV cache among them), starting with the field to blame; None when it fits or a
+    limit is unknown. A resumed session is not judged (it ran, and its runner caps each turn at
+    the context left), nor a text prompt's length (the engine tokenizes it)."""
+    if s.resume_from is not None:
+        return None
+    prompt = len(s.prompt_token_ids) if s.prompt_token_ids is not None else 1
+    need = prompt + s.max_tokens
+    if limits.max_model_len is not None and need > limits.max_model_len:
+        return (f"max_tokens: a prompt of {prompt} tokens and max_tokens {s.max_tokens} need "
+                f"{need} tokens of context; no backend has that (largest max_model_len is "
+                f"{limits.max_model_len})")
+    if limits.capacity_tokens is not None and need > limits.capacity_tokens:
+        return (f"max_tokens: a prompt of {prompt} tokens and max_tokens {s.max_tokens} need "
+                f"{need} tokens of KV cache; no backend has that (largest holds "
+                f"{limits.capacity_tokens})")
+    return None
 
 
 def enqueue(keys: Keys, sessions: Sequence[Session], now: float | None = None,

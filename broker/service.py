@@ -43,7 +43,8 @@ from broker.policies import check_live_policy, make_policy
 from broker.policies.base import Completion, Decision, PendingItem, Policy
 from broker.plans import Cmd, Runner, ScriptCall, durable
 from broker.body import load_body
-from broker.queue import PendingEntry, SessionQueue, decode_entry, with_bodies
+from broker.queue import (PendingEntry, SessionQueue, decode_entry, session_fit_error,
+                          with_bodies)
 from broker.redis_conn import Outage, connect, durability, is_outage
 from broker.scripts import Scripts
 from broker.session import SessionResult, SessionState
@@ -53,6 +54,7 @@ from broker.snapshot import (
     ViewCache,
     build_snapshot,
     completion_from_entry,
+    live_limits,
     pending_item,
     read_fleet,
     resident_meta,
@@ -126,10 +128,11 @@ class BrokerService:
         self._backend_ids: tuple[str, ...] = ()
         self._watch_since = time.monotonic()  # since when this term has seen Redis answer
         self._orphans_checked = time.monotonic()
-        # Staleness is checked once per held entry and bound: on entries held since the last
-        # check, and on all of them when the version served or the bound changes.
+        # Staleness and fit are checked once per held entry and rule: on entries held since the
+        # last check, and on all of them when the version served, the bound or the live
+        # fleet's limits change (`_expire_unrunnable`).
         self._unchecked: list[tuple[dict[str, _Held], _Held]] = []
-        self._stale_rule: tuple[int | None, int | None] | None = None
+        self._expiry_rules: tuple | None = None  # (stale rule, live limits) last checked
         self._views = ViewCache()  # ledgers, heartbeats and views read and built last time
         self._touched: set[str] = set()  # backends whose ledgers our own scripts changed
         self._meta_checked: dict[str, str | None] = {}  # ledger version whose sessions have meta
@@ -458,7 +461,7 @@ class BrokerService:
         weights = fleet.weights
         if weights.paused:
             return 0  # a weight update: nothing is admitted until resume (its event wakes us)
-        self._expire_stale(weights)
+        self._expire_unrunnable(weights, fleet)
         pending = self._pending_view()
         completions, self._completions = self._completions, []
         if not any(pending.values()) and not completions:
@@ -470,30 +473,47 @@ class BrokerService:
         metrics.DECIDE.observe(time.perf_counter() - t0)
         return self._apply(decision, fleet, now)
 
-    def _expire_stale(self, weights: WeightsState) -> None:
-        """Pending sessions more than the staleness bound behind the version the engines serve
-        end failed before any policy sees them, unless they asked to run on current weights."""
+    def _expire_unrunnable(self, weights: WeightsState, fleet: FleetRead) -> None:
+        """Pending sessions that must not wait end failed with the reason, before any policy
+        sees them, so that none holds back the sessions behind it:
+        - stale: more than the staleness bound behind the version the engines serve (unless
+          they asked to run on current weights);
+        - unfit: a new session whose first request cannot fit any live backend
+          (`session_fit_error`; only judged while some backend is live).
+        New entries are checked once; every held entry again when the bound, the version or
+        the live fleet's limits change."""
         unchecked, self._unchecked = self._unchecked, []
-        rule = (weights.version, weights.max_staleness)
-        if weights.max_staleness is None or weights.version is None:
-            self._stale_rule = rule
-            return
-        if rule != self._stale_rule:  # a new version or bound: every held entry again
-            self._stale_rule = rule
+        stale_rule = (weights.version, weights.max_staleness) \
+            if weights.max_staleness is not None and weights.version is not None else None
+        fit_rule = live_limits(fleet)
+        if (stale_rule, fit_rule) != self._expiry_rules:  # every held entry again
+            self._expiry_rules = (stale_rule, fit_rule)
             unchecked = [(queue, held) for table in (self._front, self._back)
                          for queue in table.values() for held in queue.values()]
-        stale = [(queue, held) for queue, held in unchecked
-                 if queue.get(held.item.session_id) is held
-                 and held.entry.session.on_stale == "fail"
-                 and weights.is_stale(held.entry.session.policy_version)]
-        if not stale:
+        if stale_rule is None and fit_rule is None:
             return
+        expired = []
+        for queue, held in unchecked:
+            if queue.get(held.item.session_id) is not held:
+                continue
+            s = held.entry.session
+            why = None
+            if stale_rule is not None and s.on_stale == "fail" and weights.is_stale(s.policy_version):
+                why = (f"stale: enqueued for policy version {s.policy_version}, the engines serve "
+                       f"{weights.version} and max_staleness is {weights.max_staleness}")
+            elif fit_rule is not None:
+                why = session_fit_error(s, fit_rule)
+            if why is not None:
+                expired.append((queue, held, why))
+        if expired:
+            self._expire(expired)
+
+    def _expire(self, expired: list[tuple[dict[str, _Held], _Held, str]]) -> None:
+        """End these pending sessions failed with their reasons (one pipeline)."""
         k, now = self.keys, time.time()
         pipe = self._client.pipeline(transaction=False)
-        for _, held in stale:
+        for _, held, why in expired:
             s = held.entry.session
-            why = (f"stale: enqueued for policy version {s.policy_version}, the engines serve "
-                   f"{weights.version} and max_staleness is {weights.max_staleness}")
             result = SessionResult(session_id=s.session_id, workload=s.workload,
                                    group_id=s.group_id, group_size=s.group_size,
                                    status=SessionState.failed, error=why,
@@ -503,14 +523,14 @@ class BrokerService:
                                  args=[self.lease.token, s.session_id, held.entry.entry_id,
                                        repr(now), result.model_dump_json(), why],
                                  client=pipe)
-        for (queue, held), reply in zip(stale, pipe.execute()):
+        for (queue, held, why), reply in zip(expired, pipe.execute()):
             r = as_text(reply)
             if r == "lease":
                 self.lease.held = False
                 return
             queue.pop(held.item.session_id, None)
             if r == "ok":
-                log.info("session %s: not admitted, stale", held.item.session_id)
+                log.info("session %s: not admitted: %s", held.item.session_id, why)
 
     def _apply(self, decision: Decision, fleet: FleetRead, now: float) -> int:
         """Plan with the shared rule (`broker.decision.apply_decision`: α, then recharges, then

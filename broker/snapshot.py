@@ -15,7 +15,8 @@ import redis
 
 from broker.heartbeat import HeartbeatRecord, SessionProgress, parse_heartbeat
 from broker.keys import BROKER_GROUP, Keys
-from broker.ledger import LedgerState, ledger_fields, ledger_state, ledger_version, parse_ledger
+from broker.ledger import (EnqueueLimits, LedgerState, ledger_fields, ledger_state,
+                           ledger_version, parse_ledger)
 from broker.policies.base import (
     BackendView,
     Completion,
@@ -41,6 +42,16 @@ class FleetRead:
     consumed: Mapping[str, int]
     results: tuple[tuple[str, Mapping], ...] = ()  # results-stream entries after `results_after`
     weights: WeightsState = NOT_UPDATED  # pause, version served and staleness bound
+
+
+def live_limits(fleet: FleetRead) -> EnqueueLimits | None:
+    """The largest context and KV cache among the live backends (a heartbeat present); None
+    when none is live (the fleet is not known)."""
+    live = [led for b, led in fleet.ledgers.items() if fleet.heartbeats.get(b) is not None]
+    if not live:
+        return None
+    return EnqueueLimits(max_model_len=max(led.max_model_len for led in live),
+                         capacity_tokens=max(led.capacity_tokens for led in live))
 
 
 class ViewCache:

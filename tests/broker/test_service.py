@@ -200,9 +200,10 @@ def test_recharges_reach_the_ledger_for_sessions_admitted_here_and_by_an_earlier
 
     try:
         first = BrokerThread(redis_url, namespace, RechargingPolicy(20)).start()
-        # One that never fits keeps work pending, so the broker keeps deciding.
+        # One that does not fit beside the others (1,998 of a 2,000-token cache) keeps work
+        # pending, so the broker keeps deciding.
         client.enqueue([make_session(i) for i in range(6)]
-                       + [make_session(0, max_tokens=5000, prefix="big")])
+                       + [make_session(0, max_tokens=1990, prefix="big")])
         assert wait_until(lambda: sum(len(ledger.read(b).sessions) for b in ("b0", "b1")) == 6)
         assert wait_until(lambda: charges() == {20})
         first.stop()
