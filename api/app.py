@@ -82,6 +82,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.state.chart_trail = ChartTrail(keep_s=CHART_WINDOW_S)
     app.state.rollout_client = None
     app.state.redis_outage = errors.RedisOutage()
+    app.state.last_status = None  # (StatusPublic, time read): what /metrics shows while Redis is down
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     for r in (status.router, sessions.router, mixture.router, weights.router, metrics.router,

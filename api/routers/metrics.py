@@ -3,17 +3,23 @@ process-global registry would mix in whatever else the process registers).
 
 Prometheus naming: counters end in `_total` and are meant for `rate()`; ratios are exported as
 the counters they divide (prefix cache hits and queries), so they aggregate over backends;
-a 0..1 gauge ends in `_ratio`."""
+a 0..1 gauge ends in `_ratio`.
+
+It always answers 200, so that Prometheus has data exactly when an operator needs it: with
+Redis down, the process's own figures (`process_*`), the last status read with its age
+(`rb_status_age_seconds`), and `rb_redis_up 0`."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
-from fastapi import APIRouter, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from redis.exceptions import RedisError
 
 from api.deps import StatusReaderDep
 from api.models import StatusPublic
@@ -125,8 +131,33 @@ class StatusCollector(Collector):
 @router.get("/metrics", response_class=Response,
             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
                              "description": "Prometheus text exposition"}})
-async def metrics(reader: StatusReaderDep) -> Response:
-    status = await reader.read()
+async def metrics(request: Request, reader: StatusReaderDep) -> Response:
+    state = request.app.state
+    up = 1.0
+    try:
+        state.last_status = (await reader.read(), time.time())
+    except RedisError as exc:  # an outage (or a failing Redis): say so, with what was known
+        state.redis_outage.failed(exc)
+        up = 0.0
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatusCollector(status))
+    ProcessCollector(registry=registry)
+    redis_up = GaugeMetricFamily("rb_redis_up", "1 when this scrape read the status from Redis")
+    redis_up.add_metric([], up)
+    families = [redis_up]
+    if state.last_status is not None:
+        status, read_at = state.last_status
+        registry.register(StatusCollector(status))
+        age = GaugeMetricFamily("rb_status_age_seconds",
+                                "seconds since the rb_* figures were read from Redis")
+        age.add_metric([], max(0.0, time.time() - read_at))
+        families.append(age)
+    registry.register(_Fixed(families))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Fixed(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families

@@ -97,3 +97,44 @@ def test_the_api_rides_out_a_redis_restart(caplog):
         handle.close()
         if again is not None:
             again.close()
+
+
+def _scrape(client: TestClient) -> dict[str, float]:
+    r = client.get("/metrics")
+    assert r.status_code == 200, r.text
+    out = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(60)
+def test_metrics_answer_through_an_outage_with_the_last_figures_and_redis_down():
+    handle = start_private_redis()
+    port = int(handle.url.rsplit(":", 1)[1].split("/")[0])
+    again = None
+    try:
+        with TestClient(create_app(ApiSettings(redis_url=handle.url, namespace="scrape"))) as client:
+            eventually_ok(client, "scrape", 1, within_s=0)
+            before = _scrape(client)
+            assert before["rb_redis_up"] == 1.0 and before['rb_queue_depth{workload="rlvr"}'] == 1
+            handle.process.terminate()
+            handle.process.wait(timeout=10)
+            time.sleep(0.5)
+            during = _scrape(client)  # no 503: Prometheus keeps its series
+            assert during["rb_redis_up"] == 0.0
+            assert during['rb_queue_depth{workload="rlvr"}'] == 1  # the last known
+            assert during["rb_status_age_seconds"] >= 0.5
+            assert during["process_resident_memory_bytes"] > 0
+            again = start_private_redis(port=port)
+            deadline = time.monotonic() + 10
+            while _scrape(client)["rb_redis_up"] != 1.0:
+                assert time.monotonic() < deadline, "rb_redis_up stayed 0 after Redis returned"
+                time.sleep(0.1)
+    finally:
+        handle.close()
+        if again is not None:
+            again.close()
