@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -94,16 +94,24 @@ class Children:
         text = (self.logdir / f"{name}.log").read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        for p in self.procs.values():
-            _signal_group(p, signal.SIGTERM)
+    def stop(self, order: Sequence[Sequence[str]] = (), grace_s: float = 15.0) -> None:
+        """Stop in dependency order: stage by stage (`order`, then every other process), each
+        process SIGTERMed alone and waited for, within one grace period overall. Alone, not its
+        group: a worker drains first, then stops the engine it started, which must outlive the
+        drain. Then every group is killed (an engine outliving its worker)."""
         deadline = time.monotonic() + grace_s
+        staged = {n for stage in order for n in stage}
+        for stage in [*order, [n for n in self.procs if n not in staged]]:
+            procs = [self.procs[n] for n in stage if n in self.procs]
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
         for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for p in self.procs.values():  # the group too: an engine child outliving its worker
             _signal_group(p, signal.SIGKILL)
             if p.poll() is None:
                 p.wait()
@@ -434,7 +442,9 @@ def run_demo(settings: DemoSettings, console: Console | None = None,
             engines = _engines(r, keys, backends) or engines
         except redis.RedisError:
             pass
-        children.stop()
+        # The trainer has stopped; then the broker (nothing more admitted), the workers (they
+        # drain, publish, and stop their engines), the tool workers their drains may call.
+        children.stop([["broker"], backends])
         client.close()
         if not handle.owned:  # leave someone else's Redis as we found it
             delete_namespace(r, keys.prefix)

@@ -32,6 +32,13 @@ def test_demo_starts_its_own_redis_and_exits_cleanly():
     assert namespace not in left, "a demo child outlived the demo"
     port = re.search(r"redis redis://127.0.0.1:(\d+)", out).group(1)
     assert f"--port {port}" not in left, "the private Redis outlived the demo"
+    # Shut down in dependency order (broker, workers drained, then their engines): a clean run
+    # logs no error, and hands nothing back for want of an engine.
+    logdir = Path(re.search(r"logs (/\S+)", out).group(1))
+    for log in sorted(logdir.glob("*.log")):
+        bad = [line for line in log.read_text(errors="replace").splitlines()
+               if " ERROR " in line or "Traceback" in line or "engine down" in line]
+        assert bad == [], f"{log.name}: {bad[:3]}"
 
 
 @pytest.mark.redis
