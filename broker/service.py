@@ -223,9 +223,42 @@ class BrokerService:
 
     def _claim_backlog(self, stream: str, front: bool) -> None:
         for entries in self._autoclaim(stream):
-            bodied = with_bodies(self._client, self.keys, [f for _, f in entries])
-            for (entry_id, _), fields in zip(entries, bodied):
-                self._hold(stream, entry_id, fields, front)
+            self._hold_claimed(stream, front, entries)
+
+    def _hold_claimed(self, stream: str, front: bool, entries: list[tuple[bytes, Mapping]]) -> None:
+        bodied = with_bodies(self._client, self.keys, [f for _, f in entries])
+        for (entry_id, _), fields in zip(entries, bodied):
+            self._hold(stream, entry_id, fields, front)
+
+    def _adopt_stranded(self) -> None:
+        """Claim the queue entries in another consumer's pending list, and hold them as read.
+
+        A broker cut off from Redis (a partition, not a crash) loses the lease while a read of
+        its is in flight; TCP delivers that read when the path heals, after this broker took
+        over and claimed the backlog, and Redis hands it entries that the old broker, standby
+        by then, drops. The lease says no other broker acts, so whatever another consumer holds
+        is stranded. Looked for every `orphan_check_s`."""
+        queues = [(self.keys.requeue(w), True) for w in self._workloads] + \
+                 [(self.keys.pending(w), False) for w in self._workloads]
+        pipe = self._client.pipeline(transaction=False)
+        for stream, _ in queues:
+            pipe.xinfo_consumers(stream, BROKER_GROUP)
+        for (stream, front), consumers in zip(queues, pipe.execute(raise_on_error=False)):
+            if isinstance(consumers, Exception):
+                continue  # (no such stream or group yet)
+            for c in consumers:
+                name = as_text(c["name"])
+                if name == self.consumer or int(c["pending"]) == 0:
+                    continue
+                ids = [p["message_id"] for p in self._client.xpending_range(
+                    stream, BROKER_GROUP, min="-", max="+", count=1000, consumername=name)]
+                if not ids:
+                    continue
+                entries = self._client.xclaim(stream, BROKER_GROUP, self.consumer,
+                                              min_idle_time=0, message_ids=ids)
+                log.warning("broker %s: adopted %d entries of %s stranded with consumer %s",
+                            self.consumer, len(entries), stream, name)
+                self._hold_claimed(stream, front, entries)
 
     def _autoclaim(self, stream: str) -> Iterator[list[tuple[bytes, Mapping]]]:
         """Take over every backlog entry of the group on `stream`, a page at a time (min idle
@@ -378,6 +411,7 @@ class BrokerService:
                     return False
         if now - self._orphans_checked >= self.settings.orphan_check_s:
             self._orphans_checked = now
+            self._adopt_stranded()
             return self._requeue_orphans(fleet)
         return True
 
