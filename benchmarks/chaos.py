@@ -21,6 +21,14 @@ Faults (`--faults`, default all, each in its own run):
   metrics-stall     engine 0 answers /metrics 15 s late, for 15 s
   poison            1 % of sessions name an unregistered tool, 1 % a tool that raises, and one
                     malformed entry is written to the results stream
+Network faults (`sim/netfault.py`: in these runs worker 0 reaches Redis and engine 0, and broker
+0 reaches Redis, through fault-injecting TCP proxies in this process):
+  net-latency       50 ± 25 ms each way on those links, for 20 s
+  net-reset         every connection on those links reset (RST), every 2 s for 20 s
+  net-hang-redis    worker 0's Redis link stops answering, without closing, for 20 s
+  net-hang-engine   worker 0's engine link stops answering, without closing, for 20 s
+  net-partition-worker  worker 0 cut off from Redis and its engine for 30 s
+  net-partition-broker  the active broker cut off from Redis for 30 s (the standby takes over)
 
 One row per run: enqueued; done once; duplicated (a session with more than one result, in the
 stream or as delivered to the trainer); lost (no result at the end); failed because of the
@@ -60,9 +68,11 @@ from rollout_broker.demo import run_until_interrupted  # noqa: E402
 from broker.keys import Keys  # noqa: E402
 from broker.redis_server import RedisHandle, free_port, start_private_redis  # noqa: E402
 from broker.session import Session  # noqa: E402
+from sim.netfault import FaultProxy  # noqa: E402
 
 FAULTS = ("none", "kill-broker", "kill-worker", "kill-engine", "stop-engine", "redis-shutdown",
-          "redis-kill", "redis-oom", "metrics-stall", "poison")
+          "redis-kill", "redis-oom", "metrics-stall", "poison", "net-latency", "net-reset",
+          "net-hang-redis", "net-hang-engine", "net-partition-worker", "net-partition-broker")
 ENGINES = 3
 NAMESPACE = "chaos"
 TOOLS_TOML = """[tools]
@@ -168,7 +178,8 @@ def wait_http(url: str, timeout_s: float = 60.0) -> None:
 class Fleet:
     """Redis, engines, workers and two brokers for one run; stopped in `close`."""
 
-    def __init__(self, workdir: Path, time_scale: float, kv_tokens: int) -> None:
+    def __init__(self, workdir: Path, time_scale: float, kv_tokens: int,
+                 proxied: bool = False) -> None:
         self.workdir = workdir
         self.redis_dir = workdir / "redis"
         self.redis_dir.mkdir()
@@ -183,6 +194,16 @@ class Fleet:
         self.engines: list[Proc] = []
         self.workers: list[Proc] = []
         self.brokers: list[Proc] = []
+        # Worker 0's links to Redis and its engine, and broker 0's to Redis (net-* faults).
+        self.proxies: dict[str, FaultProxy] = {}
+        if proxied:
+            self.proxies = {"w0-redis": FaultProxy("127.0.0.1", self.redis_port),
+                            "w0-engine": FaultProxy("127.0.0.1", self.engine_ports[0]),
+                            "b0-redis": FaultProxy("127.0.0.1", self.redis_port)}
+
+    def _via(self, link: str, port: int) -> int:
+        proxy = self.proxies.get(link)
+        return proxy.port if proxy is not None else port
 
     @property
     def url(self) -> str:
@@ -200,14 +221,19 @@ class Fleet:
                                     "--fault-injection"], self.workdir / f"engine-{i}.log")
 
     def worker(self, i: int) -> Proc:
+        engine = self._via(f"w{i}-engine", self.engine_ports[i])
+        redis_port = self._via(f"w{i}-redis", self.redis_port)
         return Proc(f"worker-{i}", ["worker", "--backend-id", f"w{i}", "--engine",
-                                    f"attach:http://127.0.0.1:{self.engine_ports[i]}",
-                                    "--redis-url", self.url, "--namespace", NAMESPACE,
+                                    f"attach:http://127.0.0.1:{engine}",
+                                    "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+                                    "--namespace", NAMESPACE,
                                     "--time-scale", repr(self.time_scale), "--drain-grace", "5",
                                     "--log-level", "INFO"], self.workdir / f"worker-{i}.log")
 
     def broker(self, i: int) -> Proc:
-        return Proc(f"broker-{i}", ["broker", "--redis-url", self.url, "--namespace", NAMESPACE,
+        redis_port = self._via(f"b{i}-redis", self.redis_port)
+        return Proc(f"broker-{i}", ["broker", "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+                                    "--namespace", NAMESPACE,
                                     "--policy", "misa_t", "--log-level", "INFO"],
                     self.workdir / f"broker-{i}.log")
 
@@ -251,6 +277,8 @@ class Fleet:
             p.signal(signal.SIGKILL)
         if self.redis is not None:
             self.redis.close()
+        for proxy in self.proxies.values():
+            proxy.close()
 
 
 # -- one run ------------------------------------------------------------------------------------
@@ -354,11 +382,39 @@ def inject(fault: str, fleet: Fleet) -> float:
         time.sleep(15.0)
         httpx.post(url, json={"metrics_delay_s": 0.0}, timeout=20).raise_for_status()
         return time.time()
+    if fault.startswith("net-"):
+        return inject_network(fault, fleet)
     if fault == "poison":
         r = redis.Redis.from_url(fleet.url)
         r.xadd(Keys(NAMESPACE).results, {"sid": "not-a-session", "result": "{not json"})
         r.close()
         return time.time()
+    return time.time()
+
+
+def inject_network(fault: str, fleet: Fleet) -> float:
+    p = fleet.proxies
+    if fault == "net-latency":
+        for proxy in p.values():
+            proxy.set_latency(0.05, 0.025)
+        time.sleep(20.0)
+        for proxy in p.values():
+            proxy.set_latency(0.0)
+    elif fault == "net-reset":
+        for _ in range(10):
+            for proxy in p.values():
+                proxy.reset()
+            time.sleep(2.0)
+    elif fault in ("net-hang-redis", "net-hang-engine", "net-partition-worker",
+                   "net-partition-broker"):
+        links = {"net-hang-redis": ["w0-redis"], "net-hang-engine": ["w0-engine"],
+                 "net-partition-worker": ["w0-redis", "w0-engine"],
+                 "net-partition-broker": ["b0-redis"]}[fault]
+        for link in links:
+            p[link].blackhole(True)
+        time.sleep(30.0 if "partition" in fault else 20.0)
+        for link in links:
+            p[link].blackhole(False)
     return time.time()
 
 
@@ -368,7 +424,7 @@ def stream_ms(entry_id: bytes) -> float:
 
 def run_fault(fault: str, args: argparse.Namespace, keep: bool) -> Row:
     workdir = Path(tempfile.mkdtemp(prefix=f"rb-chaos-{fault}-"))
-    fleet = Fleet(workdir, args.time_scale, args.kv_tokens)
+    fleet = Fleet(workdir, args.time_scale, args.kv_tokens, proxied=fault.startswith("net-"))
     sessions, bad = session_mix(args.sessions, poison=fault == "poison")
     row = Row(fault=fault)
     started = time.monotonic()
