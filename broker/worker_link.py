@@ -38,7 +38,7 @@ from broker.keys import WORKERS_GROUP, Keys, check_backend_id
 from broker.ledger import Ledger
 from broker.plans import Runner, ScriptCall, durable
 from broker.queue import with_bodies
-from broker.redis_conn import connect, durability
+from broker.redis_conn import connect, durability, is_outage
 from broker.scripts import Scripts
 from broker.session import Session, SessionResult, SessionState
 from broker.streams import BacklogCursor, as_text
@@ -144,6 +144,12 @@ class WorkerLink:
                 raise
             # The broker reclaimed this backend (heartbeat lapsed) and dropped its stream.
             raise BackendReclaimed(self.backend_id) from None
+        except Exception as exc:
+            if is_outage(exc):
+                # Entries this read delivered may never have reached us (a reply lost to a
+                # reset): read our backlog again first, so that none stays admitted for good.
+                self._cursor.reset()
+            raise
         entries = reply[0][1] if reply else []
         self._cursor.advance(entries, count)
         if backlog and not entries:  # the backlog is empty: wait for new ones

@@ -14,6 +14,7 @@ import threading
 import time
 
 from broker.heartbeat import EngineMetrics, SessionProgress
+from broker.redis_conn import is_outage
 from broker.worker_link import AdmittedSession, BackendReclaimed, CompletionStats, WorkerLink
 from broker.session import SessionResult, SessionState
 
@@ -71,6 +72,17 @@ class SimulatedBackend:
             self._acked_epoch = weights.epoch
 
     def _loop(self) -> None:
+        """Serve until stopped, riding out Redis outages (lost or reset connections) as a
+        worker does: the round is tried again."""
+        while not self._stop.is_set():
+            try:
+                self._serve()
+            except Exception as exc:
+                if not is_outage(exc):
+                    raise
+                self._stop.wait(0.1)
+
+    def _serve(self) -> None:
         last_beat = time.monotonic()
         while not self._stop.is_set():
             if not self._beating.is_set():
@@ -97,7 +109,7 @@ class SimulatedBackend:
         due = [sid for sid, (_, t0) in self._running.items() if now - t0 >= self.service_s]
         batch = []
         for sid in due:
-            a, _ = self._running.pop(sid)
+            a, _ = self._running[sid]
             s = a.session
             result = SessionResult(session_id=sid, workload=s.workload, group_id=s.group_id,
                                    group_size=s.group_size, status=SessionState.done, turns=1,
@@ -105,7 +117,9 @@ class SimulatedBackend:
                                    output_tokens=self.output_tokens, policy_version=s.policy_version)
             batch.append((result, CompletionStats(turn_output_tokens=[self.output_tokens],
                                                   kv_token_seconds=a.reserved_tokens * self.service_s)))
-        for (result, _), reply in zip(batch, self.link.finish_many(batch)):
+        replies = self.link.finish_many(batch)  # (an outage: they stay due, finished again)
+        for (result, _), reply in zip(batch, replies):
+            self._running.pop(result.session_id, None)
             if reply == "ok":
                 self.finished.append(result.session_id)
             else:

@@ -463,3 +463,27 @@ def test_every_change_to_a_ledgers_sessions_moves_its_version(world, redis_clien
     check("cancel")
     assert link0.hand_back([make_session(3)], "engine: timed out") == (1, 0)
     check("hand back (requeue)")
+
+
+def test_admitted_entries_a_lost_read_delivered_are_read_again(world):
+    """A read whose reply is lost to a reset still moved the entries into this backend's
+    pending list: the next read starts from that backlog (else they stay admitted for good on
+    a backend that is alive, and no requeue rule fires)."""
+    import redis
+
+    link = world.backend("b0", capacity=100)
+    world.q.enqueue([make_session(1)])
+    assert world.admit("s1", "b0", 40, world.read_pending()["s1"]) == "ok"
+    assert [a.session.session_id for a in link.read_admitted(block_ms=None)] == ["s1"]
+    real = link._client.xreadgroup
+
+    def lost_reply(*args, **kwargs):
+        real(*args, **kwargs)  # Redis delivers ...
+        raise redis.ConnectionError("Connection reset by peer")  # ... the reply never arrives
+    link._client.xreadgroup = lost_reply
+    world.q.enqueue([make_session(2)])
+    assert world.admit("s2", "b0", 40, world.read_pending()["s2"]) == "ok"
+    with pytest.raises(redis.ConnectionError):
+        link.read_admitted(block_ms=None)
+    link._client.xreadgroup = real
+    assert "s2" in [a.session.session_id for a in link.read_admitted(block_ms=None)]
