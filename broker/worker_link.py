@@ -133,6 +133,17 @@ class WorkerLink:
 
     def read_admitted(self, count: int = 64, block_ms: int | None = 1000) -> list[AdmittedSession]:
         """Sessions admitted here: first our unfinished backlog, then new ones (blocking)."""
+        try:
+            return self._read_admitted(count, block_ms)
+        except Exception as exc:
+            if is_outage(exc):
+                # Entries this read delivered may never have reached us (a reply lost to a
+                # reset, or their bodies not read): read our backlog again first, so that none
+                # stays admitted for good.
+                self._cursor.reset()
+            raise
+
+    def _read_admitted(self, count: int, block_ms: int | None) -> list[AdmittedSession]:
         stream = self.keys.admitted(self.backend_id)
         backlog = not self._cursor.done
         start, block = self._cursor.read_args(block_ms)
@@ -144,16 +155,10 @@ class WorkerLink:
                 raise
             # The broker reclaimed this backend (heartbeat lapsed) and dropped its stream.
             raise BackendReclaimed(self.backend_id) from None
-        except Exception as exc:
-            if is_outage(exc):
-                # Entries this read delivered may never have reached us (a reply lost to a
-                # reset): read our backlog again first, so that none stays admitted for good.
-                self._cursor.reset()
-            raise
         entries = reply[0][1] if reply else []
         self._cursor.advance(entries, count)
         if backlog and not entries:  # the backlog is empty: wait for new ones
-            return self.read_admitted(count, block_ms)
+            return self._read_admitted(count, block_ms)
         live = []
         for entry_id, fields in entries:
             if not fields:  # finished or cancelled meanwhile: the scripts deleted the entry

@@ -82,6 +82,17 @@ class SimulatedBackend:
                     raise
                 self._stop.wait(0.1)
 
+    def _until_ok(self, fn, *args):
+        """`fn(*args)` until Redis answers (read sessions must not be dropped on a reset: as
+        a worker does, it is asked again; the scripts are idempotent)."""
+        while True:
+            try:
+                return fn(*args)
+            except Exception as exc:
+                if not is_outage(exc) or self._stop.is_set():
+                    raise
+                self._stop.wait(0.05)
+
     def _serve(self) -> None:
         last_beat = time.monotonic()
         while not self._stop.is_set():
@@ -98,7 +109,8 @@ class SimulatedBackend:
                 self.link.register(self.capacity_tokens, self.max_model_len)
                 continue
             now = time.monotonic()
-            ok = self.link.mark_running_many([a.session.session_id for a in fresh])
+            ok = self._until_ok(self.link.mark_running_many,
+                                [a.session.session_id for a in fresh])
             for a, run in zip(fresh, ok):
                 if run:
                     self._running[a.session.session_id] = (a, now)

@@ -74,6 +74,10 @@ class FaultProxy:
                 self._server.close()
             for w in list(self._writers):
                 _abort(w)
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         self._call(go())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
