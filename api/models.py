@@ -182,7 +182,7 @@ class StatusPublic(BaseModel):
     backends: list[BackendStatus]
     mixture: MixtureStatus
     throughput: list[ThroughputWindow]
-    results_total: int  # entries in the results stream
+    results_unacknowledged: int  # results published and not yet acknowledged by the trainer
     dead_letter: int  # entries in the dead-letter stream
 
 

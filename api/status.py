@@ -216,7 +216,7 @@ class StatusReader:
                                   consumed_window=win.consumed, window_s=win.span_s,
                                   drift_total=drift(consumed, target),
                                   drift_window=drift(win.consumed, target)),
-            throughput=throughput, results_total=int(raw["results"]),
+            throughput=throughput, results_unacknowledged=int(raw["results"]),
             dead_letter=int(raw["dead"]),
         )
         if self.trail is not None:

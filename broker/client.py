@@ -319,6 +319,13 @@ class _Plans:
                 out[sid] = yield self._retry(self._cancel, sid)
         return out
 
+    def _set_session_retention(self, seconds: float) -> Plan[None]:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+                or not math.isfinite(seconds) or seconds < 1:
+            raise ValueError(f"session_retention_s: must be a number of seconds >= 1, "
+                             f"not {seconds!r}")
+        yield cmd("hset", self.keys.settings, "session_retention_s", repr(float(seconds)))
+
     def _cancel(self, session_id: str) -> Plan[str]:
         k = self.keys
         for _ in range(5):
@@ -329,7 +336,8 @@ class _Plans:
                 keys += [k.ledger(b), k.ledger_sessions(b), k.admitted(b)]
             else:  # not on a backend: the ledger keys are never touched; any of ours will do
                 keys += [k.mixture, k.mixture, k.mixture]
-            reply = as_text((yield script("cancel", keys + [k.events, k.control],
+            keys += [k.events, k.control, k.settings, k.body(session_id)]
+            reply = as_text((yield script("cancel", keys,
                                           [session_id, b or "", repr(time.time())])))
             if reply != "retry":
                 return reply
@@ -350,7 +358,7 @@ class _Plans:
             "pending": {w: int(replies[2 * i]) + int(replies[2 * i + 1])
                         for i, w in enumerate(workloads)},
             "consumed": {as_text(a): int(v) for a, v in replies[n].items()},
-            "results_stream": int(replies[n + 1]),
+            "results_unacknowledged": int(replies[n + 1]),
             "dead_letter": int(replies[n + 2]),
             "mixture": mixture,
             "backends": {
@@ -462,6 +470,12 @@ class RolloutClient(_Plans):
         with `stale=True`. None: no bound."""
         self._runner.run(self._retried(order_staleness, self.keys, max_staleness))
 
+    def set_session_retention(self, seconds: float) -> None:
+        """Keep an ended session's state (`GET /sessions/<id>`; a repeated id refused at
+        enqueue) for `seconds` after it ends, from now on (default 3600). Its body and its
+        acknowledged result are not kept at all (docs/reliability.md: Retention)."""
+        self._runner.run(self._retried(self._set_session_retention, seconds))
+
     def weights(self) -> WeightsState:
         """Whether generation is paused (and how), and the policy version engines serve."""
         return self._runner.run(self._retried(read_state, self.keys))
@@ -549,6 +563,9 @@ class AsyncRolloutClient(_Plans):
 
     async def set_max_staleness(self, max_staleness: int | None) -> None:
         await self._run(self._retried(order_staleness, self.keys, max_staleness))
+
+    async def set_session_retention(self, seconds: float) -> None:
+        await self._run(self._retried(self._set_session_retention, seconds))
 
     async def weights(self) -> WeightsState:
         return await self._run(self._retried(read_state, self.keys))

@@ -58,7 +58,8 @@ class Keys:
 
     @property
     def results(self) -> str:
-        """Stream: one entry per finished session (group "trainer")."""
+        """Stream: one entry per finished session (group "trainer"); an entry is deleted when
+        the trainer acknowledges it."""
         return f"{self.prefix}results"
 
     @property
@@ -78,7 +79,8 @@ class Keys:
         return f"{self.prefix}session:{_check('session_id', session_id, _SESSION_RE)}"
 
     def body(self, session_id: str) -> str:
-        """String: the session's body, stored once (broker/body.py), written with its hash."""
+        """String: the session's body, stored once (broker/body.py), written with its hash and
+        deleted when the session ends (lua/lib.lua)."""
         return f"{self.prefix}body:{_check('session_id', session_id, _SESSION_RE)}"
 
     # -- ledger, backends, heartbeats -----------------------------------------------------------
@@ -125,6 +127,12 @@ class Keys:
     def consumed(self) -> str:
         """Hash: <workload> -> results the trainer has acknowledged."""
         return f"{self.prefix}consumed"
+
+    @property
+    def settings(self) -> str:
+        """Hash: namespace settings the trainer sets: session_retention_s (how long an ended
+        session's state hash is kept; lua/lib.lua)."""
+        return f"{self.prefix}settings"
 
     # -- weight updates -------------------------------------------------------------------------
     @property

@@ -152,10 +152,12 @@ def dead_letter(keys: Keys, stream: str, entry_id: str, fields: Mapping, reason:
     (lua/dead_letter.lua)."""
     sid = entry_sid(fields)
     session_key = keys.session(sid) if sid is not None else keys.dead_letter
+    body_key = keys.body(sid) if sid is not None else keys.dead_letter
     args: list = [entry_id, group, reason, repr(time.time())]
     for k, v in fields.items():
         args += [as_text(k), v]
-    yield script("dead_letter", [stream, keys.dead_letter, session_key], args)
+    yield script("dead_letter", [stream, keys.dead_letter, session_key, keys.settings, body_key],
+                 args)
 
 
 class SessionQueue:

@@ -1,6 +1,7 @@
 """Load the Lua scripts in `broker/lua/` once per Redis client.
 
-Each `*.lua` file opens with its KEYS/ARGV and the invariant it keeps. `Scripts(client)` wraps
+Each `*.lua` file opens with its KEYS/ARGV and the invariant it keeps; `lib.lua` holds the
+helpers they share and is put in front of each. `Scripts(client)` wraps
 them with redis-py's `Script` objects: EVALSHA, loading the body on NOSCRIPT; a script object can
 also be called with `client=pipeline` so many calls go out in one round trip.
 """
@@ -20,11 +21,17 @@ SCRIPT_NAMES = (
 )
 
 
+
+def _lua(name: str) -> str:
+    return resources.files("broker").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
+
+
 @cache
 def script_source(name: str) -> str:
+    """The script as Redis runs it: `lua/lib.lua` (shared helpers), then `lua/<name>.lua`."""
     if name not in SCRIPT_NAMES:
         raise ValueError(f"script: unknown Lua script {name!r}")
-    return resources.files("broker").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
+    return _lua("lib") + _lua(name)
 
 
 class Scripts:

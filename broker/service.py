@@ -455,7 +455,8 @@ class BrokerService:
                 pipe.hget(k.session(sid), "workload")
             workloads = [as_text(w) if w else None for w in pipe.execute()]
             keys = [k.lease, k.heartbeat(backend_id), k.ledger(backend_id),
-                    k.ledger_sessions(backend_id), k.admitted(backend_id), k.events, k.results]
+                    k.ledger_sessions(backend_id), k.admitted(backend_id), k.events, k.results,
+                    k.settings, k.kv_seconds]
             args: list = [self.lease.token, backend_id, repr(time.time()), why,
                           "dead" if only_if_dead else "any"]
             for sid, w in zip(chunk, workloads):
@@ -553,7 +554,8 @@ class BrokerService:
                                    status=SessionState.failed, error=why,
                                    finished_at=now, policy_version=s.policy_version)
             self._scripts.expire(keys=[k.lease, k.session(s.session_id), held.entry.stream,
-                                       k.results],
+                                       k.results, k.settings, k.body(s.session_id),
+                                       k.kv_seconds],
                                  args=[self.lease.token, s.session_id, held.entry.entry_id,
                                        repr(now), result.model_dump_json(), why],
                                  client=pipe)

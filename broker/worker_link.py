@@ -220,7 +220,8 @@ class WorkerLink:
         return ScriptCall(
             "finish",
             keys=[k.session(result.session_id), k.ledger(b), k.ledger_sessions(b), k.admitted(b),
-                  k.results, k.events, k.kv_seconds, k.requeue(result.workload), k.stats],
+                  k.results, k.events, k.kv_seconds, k.requeue(result.workload), k.stats,
+                  k.settings, k.body(result.session_id)],
             args=[result.session_id, b, result.status.value, result.model_dump_json(),
                   stats.model_dump_json(), repr(now), repr(stats.kv_token_seconds),
                   str(result.output_tokens)])
@@ -238,7 +239,7 @@ class WorkerLink:
             return 0, 0
         k, b = self.keys, self.backend_id
         keys = [k.lease, k.heartbeat(b), k.ledger(b), k.ledger_sessions(b), k.admitted(b),
-                k.events, k.results]
+                k.events, k.results, k.settings, k.kv_seconds]
         for s in sessions:
             keys += [k.session(s.session_id), k.requeue(s.workload), k.body(s.session_id)]
         args = ["", b, repr(time.time() if now is None else now), why, "any",

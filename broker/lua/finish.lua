@@ -3,7 +3,8 @@
 -- KEYS[3] = rb:{ns}:ledger:<b>:sessions    KEYS[4] = rb:{ns}:admitted:<b>
 -- KEYS[5] = rb:{ns}:results                KEYS[6] = rb:{ns}:events
 -- KEYS[7] = rb:{ns}:kvsec                  KEYS[8] = rb:{ns}:requeue:<workload>
--- KEYS[9] = rb:{ns}:stats
+-- KEYS[9] = rb:{ns}:stats                  KEYS[10] = rb:{ns}:settings
+-- KEYS[11] = rb:{ns}:body:<sid>
 -- ARGV[1] = sid   ARGV[2] = backend id   ARGV[3] = status ('done' | 'failed')
 -- ARGV[4] = SessionResult JSON   ARGV[5] = completion stats JSON   ARGV[6] = now
 -- ARGV[7] = KV-token-seconds the session held   ARGV[8] (optional) = its output tokens
@@ -18,7 +19,9 @@
 -- entry is removed in the same step, so it is never run again.
 -- Invariant: at most one results entry per session, ever; on 'ok' the session's reservation
 -- (if it still holds one) leaves the ledger (reserved and w:<workload> drop by exactly that
--- amount) in the same step. A refused finish counts in stats field 'stale_finishes'.
+-- amount) in the same step. A refused finish counts in stats field 'stale_finishes'. On 'ok'
+-- the session is retired (lib.lua): its body goes, its hash expires after the retention window;
+-- a finish after that finds no state and is refused as 'stale'.
 if ARGV[3] ~= 'done' and ARGV[3] ~= 'failed' then
   return redis.error_reply('finish: status must be done or failed')
 end
@@ -52,6 +55,7 @@ redis.call('XADD', KEYS[5], '*', 'sid', sid, 'workload', workload, 'status', ARG
   'result', ARGV[4], 'stats', ARGV[5])
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'finished_at', ARGV[6])
 redis.call('HDEL', KEYS[1], 'checkpoint')
+retire(KEYS[1], KEYS[11], KEYS[10], true)
 redis.call('HINCRBYFLOAT', KEYS[7], workload, ARGV[7])
 redis.call('HINCRBY', KEYS[7], 'n:' .. workload, 1)
 if ARGV[8] then

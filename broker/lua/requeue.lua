@@ -1,9 +1,10 @@
 -- requeue: take sessions back from backend b to the front of their workload's queue.
 -- KEYS[1] = rb:{ns}:lease   KEYS[2] = rb:{ns}:hb:<b>   KEYS[3] = rb:{ns}:ledger:<b>
 -- KEYS[4] = rb:{ns}:ledger:<b>:sessions   KEYS[5] = rb:{ns}:admitted:<b>
--- KEYS[6] = rb:{ns}:events   KEYS[7] = rb:{ns}:results
--- KEYS[5+3i] = rb:{ns}:session:<sid_i>    KEYS[6+3i] = rb:{ns}:requeue:<workload_i>
--- KEYS[7+3i] = rb:{ns}:body:<sid_i>
+-- KEYS[6] = rb:{ns}:events   KEYS[7] = rb:{ns}:results   KEYS[8] = rb:{ns}:settings
+-- KEYS[9] = rb:{ns}:kvsec (a failed result counts there as finish.lua counts it)
+-- KEYS[7+3i] = rb:{ns}:session:<sid_i>    KEYS[8+3i] = rb:{ns}:requeue:<workload_i>
+-- KEYS[9+3i] = rb:{ns}:body:<sid_i>
 -- ARGV[1] = the broker's lease token, or '' when the backend's own worker hands sessions back
 -- ARGV[2] = backend id   ARGV[3] = now   ARGV[4] = why (kept as the session's last_error)
 -- ARGV[5] = 'dead' (only if the backend's heartbeat is gone) or 'any'   ARGV[5+i] = sid_i
@@ -19,7 +20,7 @@
 -- Invariant: each listed session still admitted/running on this backend leaves it in one step:
 -- its reservation is released exactly and its admitted entry acked and deleted. A session that
 -- was running counts an attempt; if that reaches the session's max_attempts it ends 'failed'
--- with one published result naming why, else it goes to the front of its workload (the requeue
+-- with one published result naming why (and is retired, lib.lua), else it goes to the front of its workload (the requeue
 -- stream) as 'pending', keeping its original enqueue time, with requeued_from = b so a late
 -- finish from b is still accepted while nobody else has it (see finish.lua). Its requeue entry
 -- carries the id and enqueue time only; the body stays in (or, for a session enqueued by an
@@ -32,9 +33,9 @@ if dead and redis.call('EXISTS', KEYS[2]) == 1 then
   return 'alive'
 end
 local requeued, failed = 0, 0
-local n = (#KEYS - 7) / 3
+local n = (#KEYS - 9) / 3
 for i = 1, n do
-  local skey, rkey, bkey, sid = KEYS[5 + 3 * i], KEYS[6 + 3 * i], KEYS[7 + 3 * i], ARGV[5 + i]
+  local skey, rkey, bkey, sid = KEYS[7 + 3 * i], KEYS[8 + 3 * i], KEYS[9 + 3 * i], ARGV[5 + i]
   local st = redis.call('HMGET', skey, 'state', 'backend', 'workload', 'session', 'enqueued_at',
     'admitted_entry', 'attempts', 'checkpoint')
   local body = ARGV[5 + n + i]
@@ -90,6 +91,9 @@ for i = 1, n do
         'result', cjson.encode(result), 'stats', '{}')
       redis.call('HSET', skey, 'state', 'failed', 'finished_at', ARGV[3], 'attempts', attempts,
         'last_error', ARGV[4])
+      retire(skey, bkey, KEYS[8], true)
+      redis.call('HINCRBY', KEYS[9], 'n:' .. st[3], 1)
+      redis.call('HINCRBY', KEYS[9], 'failed:' .. st[3], 1)
       failed = failed + 1
     else
       local id = redis.call('XADD', rkey, '*', 'sid', sid, 'enqueued_at', st[5] or ARGV[3])

@@ -48,7 +48,7 @@ def exported() -> set[str]:
         mixture=MixtureStatus(target={"rlvr": 1.0}, consumed_total={"rlvr": 1},
                               consumed_window={"rlvr": 1}, window_s=60.0, drift_total=0.0,
                               drift_window=0.0),
-        throughput=[], results_total=1, dead_letter=0)
+        throughput=[], results_unacknowledged=1, dead_letter=0)
     return sample_names(list(StatusCollector(status).collect())) | sample_names(
         list(REGISTRY.collect()))
 

@@ -46,3 +46,10 @@ class BrokerThread:
         self.stop_event.set()
         self.thread.join(timeout=15)
         assert not self.thread.is_alive(), "broker thread did not stop"
+
+
+def published(client, keys) -> int:
+    """Results ever published in the namespace: each publish counts `n:<workload>` in the kvsec
+    hash (lua/finish.lua, expire.lua, requeue.lua), in the step that publishes it; the stream
+    itself keeps only the results not acknowledged yet."""
+    return sum(int(v) for f, v in client.hgetall(keys.kv_seconds).items() if f.startswith(b"n:"))

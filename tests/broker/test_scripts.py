@@ -14,7 +14,7 @@ from broker.scripts import Scripts
 from broker.session import SessionResult, SessionState
 from broker.streams import as_text
 from broker.worker_link import WorkerLink
-from tests.broker.helpers import make_session
+from tests.broker.helpers import make_session, wait_until
 
 METRICS = EngineMetrics(kv_usage=0.1, running=0, waiting=0, preemptions_total=0,
                         prefix_queries_total=0, prefix_hits_total=0)
@@ -180,7 +180,7 @@ def test_cancel_pending_and_admitted(world):
 
 def requeue_keys(k: Keys, b: str, sids_workloads: list[tuple[str, str]]) -> list[str]:
     keys = [k.lease, k.heartbeat(b), k.ledger(b), k.ledger_sessions(b), k.admitted(b), k.events,
-            k.results]
+            k.results, k.settings, k.kv_seconds]
     for sid, w in sids_workloads:
         keys += [k.session(sid), k.requeue(w), k.body(sid)]
     return keys
@@ -487,3 +487,86 @@ def test_admitted_entries_a_lost_read_delivered_are_read_again(world):
         link.read_admitted(block_ms=None)
     link._client.xreadgroup = real
     assert "s2" in [a.session.session_id for a in link.read_admitted(block_ms=None)]
+
+
+# -- retention: an ended session leaves its hash for a while and nothing else ------------------
+def retained(world, sid: str) -> tuple[bool, int]:
+    """(the body is still stored, the hash's time to live in ms: -1 none, -2 gone)."""
+    return bool(world.r.exists(world.k.body(sid))), world.r.pttl(world.k.session(sid))
+
+
+def test_every_way_a_session_ends_retires_it(world, redis_client):
+    from broker.client import RolloutClient
+
+    k, day = world.k, 3600 * 1000
+    link = world.admitted("b0", 1, 2)
+    world.q.enqueue([make_session(3).model_copy(update={"max_attempts": 1}),
+                     make_session(4), make_session(5), make_session(6)])
+    pending = world.read_pending()
+    assert world.admit("s3", "b0", 10, pending["s3"]) == "ok"
+    assert all(retained(world, f"s{i}") == (True, -1) for i in range(1, 7))
+
+    assert link.finish(result("s1")) == "ok"
+    client = RolloutClient(world.url, world.ns)
+    assert client.cancel("s2") == "cancelled"  # admitted
+    link.mark_running("s3")
+    assert link.hand_back([make_session(3)], "engine: refused") == (0, 1)  # out of attempts
+    why = "policy_version: too stale"
+    failed = SessionResult(session_id="s4", workload="rlvr", status=SessionState.failed, error=why)
+    assert as_text(world.s.expire(
+        keys=[k.lease, k.session("s4"), k.pending("rlvr"), k.results, k.settings, k.body("s4"),
+              k.kv_seconds],
+        args=[TOKEN, "s4", pending["s4"], "9.0", failed.model_dump_json(), why])) == "ok"
+    [(eid, fields)] = [e for e in redis_client.xrange(k.pending("rlvr")) if e[1][b"sid"] == b"s5"]
+    world.q.dead_letter(k.pending("rlvr"), as_text(eid), fields, "unreadable")
+    for sid, state in (("s1", "done"), ("s2", "cancelled"), ("s3", "failed"), ("s4", "failed"),
+                       ("s5", "dead_lettered")):
+        body, ttl = retained(world, sid)
+        assert world.state(sid) == state and not body and 0 < ttl <= day, (sid, body, ttl)
+    # each of the three results published counts once, the failed ones as failed
+    counts = redis_client.hgetall(k.kv_seconds)
+    assert (counts[b"n:rlvr"], counts[b"failed:rlvr"]) == (b"3", b"2")
+    assert redis_client.xlen(k.results) == 3
+    # a pending session's queue entry still reaches the broker, which reads its body: both stay
+    # until the hash expires
+    assert client.cancel("s6") == "cancelled"
+    client.close()
+    assert redis_client.pttl(k.body("s6")) > 0 and 0 < redis_client.pttl(k.session("s6")) <= day
+
+
+def test_the_retention_window_is_the_namespaces_and_no_finish_outlives_it(world, redis_client):
+    from broker.client import RolloutClient
+
+    k = world.k
+    client = RolloutClient(world.url, world.ns)
+    for bad in (0, 0.5, -3, float("nan"), float("inf"), "60", True, None):
+        with pytest.raises(ValueError, match="session_retention_s"):
+            client.set_session_retention(bad)
+    client.set_session_retention(1)
+    link = world.admitted("b0", 1)
+    assert link.finish(result("s1")) == "ok"
+    assert 0 < redis_client.pttl(k.session("s1")) <= 1000
+    assert wait_until(lambda: not redis_client.exists(k.session("s1")), timeout=10)
+    # the ended session's state is gone: a late finish is refused, never published again
+    assert link.finish(result("s1")) == "stale"
+    assert redis_client.xlen(k.results) == 1
+    # and the id is new again
+    assert world.q.enqueue([make_session(1)]) == ["s1"]
+    client.close()
+
+
+def test_an_acknowledged_result_leaves_the_stream(world, redis_client):
+    from broker.client import RolloutClient
+
+    k = world.k
+    link = world.admitted("b0", 1, 2)
+    client = RolloutClient(world.url, world.ns)
+    assert link.finish(result("s1")) == "ok" and link.finish(result("s2")) == "ok"
+    got = client.results(1, timeout=5)
+    assert [r.session_id for r in got] == ["s1"]
+    assert redis_client.xlen(k.results) == 2  # handed back, not acknowledged yet
+    client.ack()
+    assert [f[b"sid"] for _, f in redis_client.xrange(k.results)] == [b"s2"]
+    assert redis_client.hget(k.consumed, "rlvr") == b"1"
+    client.close()  # acknowledges what it was handed (s2 was only buffered)
+    assert redis_client.xlen(k.results) == 1

@@ -12,7 +12,7 @@ from broker.heartbeat import EngineMetrics
 from broker.ledger import Ledger
 from broker.keys import Keys
 from broker.worker_link import WorkerLink
-from tests.broker.helpers import BrokerThread, make_session, wait_until
+from tests.broker.helpers import BrokerThread, make_session, published, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -97,7 +97,7 @@ def test_backend_that_stops_heartbeating_gets_its_sessions_requeued(redis_url, n
         assert sorted(r.session_id for r in got) == sorted(f"s{i}" for i in range(20))
         assert {r.backend_id for r in got} == {"b1"}
         assert ledger.read("b0").reserved_tokens == 0
-        assert redis_client.xlen(Keys(namespace).results) == 20
+        assert published(redis_client, Keys(namespace)) == 20
     finally:
         broker.stop()
         client.close()

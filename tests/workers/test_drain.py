@@ -11,7 +11,7 @@ from broker.client import RolloutClient
 from broker.keys import Keys
 from broker.policies import make_policy
 from broker.session import Session, SessionState
-from tests.broker.helpers import BrokerThread, wait_until
+from tests.broker.helpers import BrokerThread, published, wait_until
 from tests.workers.helpers import kill_process_groups, prompt, start_worker, terminate_workers
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,4 +59,4 @@ def test_sigterm_finishes_what_it_can_and_hands_back_the_rest(redis_url, namespa
     assert sorted(r.session_id for r in got) == sorted(s.session_id for s in short + long)
     assert all(r.status == SessionState.done for r in got)
     assert {r.backend_id for r in got if r.session_id.startswith("long")} == {"w1"}
-    assert redis_client.xlen(k.results) == 16
+    assert published(redis_client, k) == 16

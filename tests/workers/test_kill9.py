@@ -14,7 +14,7 @@ from broker.client import RolloutClient
 from broker.keys import Keys
 from broker.policies import make_policy
 from broker.session import Session, SessionState
-from tests.broker.helpers import BrokerThread, wait_until
+from tests.broker.helpers import BrokerThread, published, wait_until
 from tests.workers.helpers import (
     kill_process_groups,
     mixed_sessions,
@@ -68,7 +68,7 @@ def test_kill_9_of_a_worker_mid_run(redis_url, namespace, redis_client):
         client.ack()
     ids = [r.session_id for r in got]
     assert len(ids) == N and len(set(ids)) == N, f"{len(ids)} results, {len(set(ids))} unique"
-    assert redis_client.xlen(k.results) == N
+    assert published(redis_client, k) == N
     assert all(r.status == SessionState.done for r in got), \
         [r.error for r in got if r.status != SessionState.done][:3]
     assert any(r.backend_id == "w1" for r in got)
