@@ -30,8 +30,9 @@ Network faults (`sim/netfault.py`: in these runs worker 0 reaches Redis and engi
   net-partition-worker  worker 0 cut off from Redis and its engine for 30 s
   net-partition-broker  the active broker cut off from Redis for 30 s (the standby takes over)
 
-One row per run: enqueued; done once; duplicated (a session with more than one result, in the
-stream or as delivered to the trainer); lost (no result at the end); failed because of the
+One row per run: enqueued; done once; duplicated (a session delivered to the trainer more than
+once, or a result left in the stream at the end: acknowledged ones leave it, so one left was
+published and never delivered); lost (no result at the end); failed because of the
 infrastructure (a failed result for a session whose own tool and reward are good); failed as
 expected (poison sessions); dead-lettered entries; wasted finishes (results a worker finished
 but could not publish: `stale_finishes`); processes that needed a manual restart (exited or
@@ -67,7 +68,7 @@ from broker.client import RolloutClient  # noqa: E402
 from rollout_broker.demo import run_until_interrupted  # noqa: E402
 from broker.keys import Keys  # noqa: E402
 from broker.redis_server import RedisHandle, free_port, start_private_redis  # noqa: E402
-from broker.session import Session  # noqa: E402
+from broker.session import Session, SessionResult, SessionState  # noqa: E402
 from sim.netfault import FaultProxy  # noqa: E402
 
 FAULTS = ("none", "kill-broker", "kill-worker", "kill-engine", "stop-engine", "redis-shutdown",
@@ -311,7 +312,7 @@ class Trainer(threading.Thread):
         self.sessions = sessions
         self.inflight = inflight
         self.load_until = time.monotonic() + load_s
-        self.delivered: list[tuple[str, str, float]] = []  # (sid, status, wall time read)
+        self.delivered: list[tuple[SessionResult, float]] = []  # (result, wall time read)
         self.enqueued = 0
         self.stop = threading.Event()
         self.error: BaseException | None = None
@@ -327,7 +328,7 @@ class Trainer(threading.Thread):
                     self.enqueued += len(batch)
                 got = self.client.results(64, timeout=0.5)
                 now = time.time()
-                self.delivered += [(r.session_id, r.status.value, now) for r in got]
+                self.delivered += [(r, now) for r in got]
             self.client.ack()
         except BaseException as exc:  # reported in the row
             self.error = exc
@@ -418,10 +419,6 @@ def inject_network(fault: str, fleet: Fleet) -> float:
     return time.time()
 
 
-def stream_ms(entry_id: bytes) -> float:
-    return int(entry_id.split(b"-")[0]) / 1000.0
-
-
 def run_fault(fault: str, args: argparse.Namespace, keep: bool) -> Row:
     workdir = Path(tempfile.mkdtemp(prefix=f"rb-chaos-{fault}-"))
     fleet = Fleet(workdir, args.time_scale, args.kv_tokens, proxied=fault.startswith("net-"))
@@ -439,7 +436,7 @@ def run_fault(fault: str, args: argparse.Namespace, keep: bool) -> Row:
         deadline = trainer.load_until + args.drain_timeout
         while time.monotonic() < deadline:
             if time.monotonic() > trainer.load_until and \
-                    len({sid for sid, _, _ in trainer.delivered}) >= trainer.enqueued:
+                    len({r.session_id for r, _ in trainer.delivered}) >= trainer.enqueued:
                 break
             if trainer.error is not None:
                 row.notes.append(f"trainer: {type(trainer.error).__name__}: {trainer.error}")
@@ -463,33 +460,36 @@ def measure(row: Row, fleet: Fleet, trainer: Trainer, sessions: list[Session], b
             fault_end: float | None, t0: float) -> None:
     k = Keys(NAMESPACE)
     r = redis.Redis.from_url(fleet.url)
-    entries = r.xrange(k.results)
-    per_sid: dict[str, list[str]] = {}
-    times: list[float] = []
+    per_sid: dict[str, list[SessionResult]] = {}
+    times: list[float] = []  # when each result was published (its finished_at)
     w0_times: list[float] = []
-    for eid, f in entries:
-        sid = f.get(b"sid", b"").decode()
-        per_sid.setdefault(sid, []).append(f.get(b"status", b"").decode())
-        times.append(stream_ms(eid))
-        if b'"backend_id":"w0"' in f.get(b"result", b""):
-            w0_times.append(stream_ms(eid))
+    for res, read_at in trainer.delivered:
+        per_sid.setdefault(res.session_id, []).append(res)
+        times.append(res.finished_at or read_at)
+        if res.backend_id == "w0":
+            w0_times.append(times[-1])
     known = {s.session_id for s in sessions}
-    delivered: dict[str, int] = {}
-    for sid, _, _ in trainer.delivered:
-        delivered[sid] = delivered.get(sid, 0) + 1
     row.enqueued = trainer.enqueued
-    row.duplicated = sum(1 for sid in known if len(per_sid.get(sid, ())) > 1 or delivered.get(sid, 0) > 1)
+    row.duplicated = sum(1 for sid in known if len(per_sid.get(sid, ())) > 1)
+    # Acknowledged results leave the stream (the poison entry the fault wrote is dead-lettered),
+    # and the trainer acknowledged all it was handed: an entry left is a result published and
+    # never handed on.
+    left = r.xlen(k.results)
+    if left:
+        row.duplicated += left
+        row.notes.append(f"{left} results published and never delivered")
     row.lost = sum(1 for s in sessions[:trainer.enqueued] if s.session_id not in per_sid)
-    row.done_once = sum(1 for sid in known if per_sid.get(sid) == ["done"])
-    failed = {sid for sid in known if "failed" in per_sid.get(sid, ())}
+    row.done_once = sum(1 for sid in known
+                        if [x.status for x in per_sid.get(sid, ())] == [SessionState.done])
+    failed = {sid for sid in known
+              if SessionState.failed in [x.status for x in per_sid.get(sid, ())]}
     row.failed_expected = len(failed & bad)
     row.failed_infra = len(failed - bad)
     row.dead_lettered = r.xlen(k.dead_letter)
     row.wasted_finishes = int(r.hget(k.stats, "stale_finishes") or 0)
     for sid in sorted(failed - bad)[:3]:
-        result = next(json.loads(f[b"result"]) for _, f in entries
-                      if f.get(b"sid", b"").decode() == sid and f.get(b"status") == b"failed")
-        row.notes.append(f"{sid} failed: {result.get('error')}")
+        error = next(x.error for x in per_sid[sid] if x.status == SessionState.failed)
+        row.notes.append(f"{sid} failed: {error}")
     # Processes that ended or went silent by themselves (the ones we killed were restarted).
     for p in fleet.all_procs():
         if not p.alive():
