@@ -1,7 +1,9 @@
 """One error shape for every failure: `{"field": ..., "reason": ...}` (api.models.ErrorPublic).
 
-Redis failing is a 503 that names only the error class; `RedisOutage` logs the detail (which
-carries Redis's address) once per outage on the `rollout_broker.api` logger.
+Redis failing is a 503 with `Retry-After` that names only the error class (or that Redis is out
+of memory, its `maxmemory` reached: it refuses writes until memory frees, while what it holds
+stays); `RedisOutage` logs the detail (which carries Redis's address) once per outage on the
+`rollout_broker.api` logger.
 """
 
 from __future__ import annotations
@@ -64,8 +66,15 @@ def _body(field: str | None, reason: str) -> dict:
     return {"field": field, "reason": reason}
 
 
+OOM_REPLY = "OOM command not allowed"  # Redis's reply to a write past `maxmemory`
+RETRY_AFTER_S = 1  # what a 503 for Redis tells the caller to wait
+
+
 def redis_reason(exc: BaseException) -> str:
     """What an answer says of a Redis failure: the error class, never the address it names."""
+    if OOM_REPLY in str(exc):
+        return ("redis: out of memory (maxmemory reached): writes are refused until memory "
+                "frees; nothing was written, and what was accepted before is kept")
     return f"redis: unavailable ({type(exc).__name__})"
 
 
@@ -117,7 +126,8 @@ def install(app: FastAPI) -> None:
     async def _redis_down(request: Request, exc: RedisError) -> JSONResponse:
         # Redis unreachable or failing: the service is unavailable, not broken.
         request.app.state.redis_outage.failed(exc)
-        return JSONResponse(_body(None, redis_reason(exc)), status_code=503)
+        return JSONResponse(_body(None, redis_reason(exc)), status_code=503,
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
