@@ -208,7 +208,8 @@ class Worker:
             self._io.shutdown(wait=True)
             self.link.close()
             return
-        if not await self._unless_stopped(self._register()):
+        await self._unless_stopped(self._register())
+        if not self._registered.is_set():
             log.info("worker %s: stopped before it registered", s.backend_id)
             self._close_unstarted()
             return
@@ -348,7 +349,7 @@ class Worker:
                  time.monotonic() - t0)
         return True
 
-    async def _register(self) -> bool:
+    async def _register(self) -> None:
         assert self.info is not None
         vocab = self.settings.vocab_size or self.info.vocab_size
         await self._redis_until_ok(self.link.register, self.info.capacity_tokens,
@@ -357,7 +358,6 @@ class Worker:
         log.info("worker %s: registered, capacity %d tokens, max_model_len %d, vocabulary %s",
                  self.settings.backend_id, self.info.capacity_tokens, self.info.max_model_len,
                  vocab or "unknown")
-        return True
 
     async def _withdraw(self, deadline_s: float) -> None:
         """Hand everything admitted here back (see `WorkerLink.withdraw`); if Redis stays down
