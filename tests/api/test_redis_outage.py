@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
@@ -70,33 +71,55 @@ def eventually_ok(client: TestClient, namespace: str, i: int, within_s: float = 
         time.sleep(0.1)
 
 
+class RestartableRedis:
+    """A private Redis the test stops (`stop`) and starts again on the same port (`start`)."""
+
+    def __init__(self) -> None:
+        self.handles = [start_private_redis()]
+        self.url = self.handles[0].url
+        self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
+
+    def stop(self) -> None:
+        self.handles[-1].process.terminate()
+        self.handles[-1].process.wait(timeout=10)
+
+    def start(self) -> None:
+        self.handles.append(start_private_redis(port=self.port))
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.close()
+
+
+@pytest.fixture
+def restartable_redis() -> Iterator[RestartableRedis]:
+    server = RestartableRedis()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 @pytest.mark.redis
 @pytest.mark.timeout(60)
-def test_the_api_rides_out_a_redis_restart(caplog):
+def test_the_api_rides_out_a_redis_restart(caplog, restartable_redis):
     caplog.set_level(logging.INFO, logger=LOGGER)
-    handle = start_private_redis()
-    port = int(handle.url.rsplit(":", 1)[1].split("/")[0])
-    again = None
-    try:
-        with TestClient(create_app(ApiSettings(redis_url=handle.url, namespace="ride"))) as client:
-            eventually_ok(client, "ride", 1, within_s=0)
-            handle.process.terminate()
-            handle.process.wait(timeout=10)
-            for _ in range(2):
-                for r in (client.get("/v1/status"),
-                          client.post("/v1/sessions", json={"sessions": [session_json(2)]})):
-                    assert r.status_code == 503, r.text
-                    assert r.json() == {"field": None,
-                                        "reason": "redis: unavailable (ConnectionError)"}
-            assert len(outage_warnings(caplog)) == 1
-            again = start_private_redis(port=port)
-            eventually_ok(client, "ride", 3)
-            assert "redis: available again" in [r.getMessage() for r in caplog.records
-                                                if r.name == LOGGER]
-    finally:
-        handle.close()
-        if again is not None:
-            again.close()
+    server = restartable_redis
+    with TestClient(create_app(ApiSettings(redis_url=server.url, namespace="ride"))) as client:
+        eventually_ok(client, "ride", 1, within_s=0)
+        server.stop()
+        for _ in range(2):
+            for r in (client.get("/v1/status"),
+                      client.post("/v1/sessions", json={"sessions": [session_json(2)]})):
+                assert r.status_code == 503, r.text
+                assert r.json() == {"field": None,
+                                    "reason": "redis: unavailable (ConnectionError)"}
+                assert r.headers["Retry-After"] == "1"
+        assert len(outage_warnings(caplog)) == 1
+        server.start()
+        eventually_ok(client, "ride", 3)
+        assert "redis: available again" in [r.getMessage() for r in caplog.records
+                                            if r.name == LOGGER]
 
 
 def _scrape(client: TestClient) -> dict[str, float]:
@@ -112,29 +135,21 @@ def _scrape(client: TestClient) -> dict[str, float]:
 
 @pytest.mark.redis
 @pytest.mark.timeout(60)
-def test_metrics_answer_through_an_outage_with_the_last_figures_and_redis_down():
-    handle = start_private_redis()
-    port = int(handle.url.rsplit(":", 1)[1].split("/")[0])
-    again = None
-    try:
-        with TestClient(create_app(ApiSettings(redis_url=handle.url, namespace="scrape"))) as client:
-            eventually_ok(client, "scrape", 1, within_s=0)
-            before = _scrape(client)
-            assert before["rb_redis_up"] == 1.0 and before['rb_queue_depth{workload="rlvr"}'] == 1
-            handle.process.terminate()
-            handle.process.wait(timeout=10)
-            time.sleep(0.5)
-            during = _scrape(client)  # no 503: Prometheus keeps its series
-            assert during["rb_redis_up"] == 0.0
-            assert during['rb_queue_depth{workload="rlvr"}'] == 1  # the last known
-            assert during["rb_status_age_seconds"] >= 0.5
-            assert during["process_resident_memory_bytes"] > 0
-            again = start_private_redis(port=port)
-            deadline = time.monotonic() + 10
-            while _scrape(client)["rb_redis_up"] != 1.0:
-                assert time.monotonic() < deadline, "rb_redis_up stayed 0 after Redis returned"
-                time.sleep(0.1)
-    finally:
-        handle.close()
-        if again is not None:
-            again.close()
+def test_metrics_answer_through_an_outage_with_the_last_figures_and_redis_down(restartable_redis):
+    server = restartable_redis
+    with TestClient(create_app(ApiSettings(redis_url=server.url, namespace="scrape"))) as client:
+        eventually_ok(client, "scrape", 1, within_s=0)
+        before = _scrape(client)
+        assert before["rb_redis_up"] == 1.0 and before['rb_queue_depth{workload="rlvr"}'] == 1
+        server.stop()
+        time.sleep(0.5)
+        during = _scrape(client)  # no 503: Prometheus keeps its series
+        assert during["rb_redis_up"] == 0.0
+        assert during['rb_queue_depth{workload="rlvr"}'] == 1  # the last known
+        assert during["rb_status_age_seconds"] >= 0.5
+        assert during["process_resident_memory_bytes"] > 0
+        server.start()
+        deadline = time.monotonic() + 10
+        while _scrape(client)["rb_redis_up"] != 1.0:
+            assert time.monotonic() < deadline, "rb_redis_up stayed 0 after Redis returned"
+            time.sleep(0.1)
