@@ -63,6 +63,12 @@ class Keys:
         return f"{self.prefix}results"
 
     @property
+    def completions(self) -> str:
+        """Stream, capped: one small entry per finished session (its lengths and timings) for
+        the broker's predictors, read with XREAD (lua/finish.lua writes it with the result)."""
+        return f"{self.prefix}completions"
+
+    @property
     def dead_letter(self) -> str:
         """Stream: malformed entries taken off the queues, with the reason."""
         return f"{self.prefix}dead"

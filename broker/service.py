@@ -123,7 +123,7 @@ class BrokerService:
         self._placed_on: dict[str, str] = {}  # session -> backend, for those admitted here
         self._unreadable: set[str] = set()  # resident sessions whose state hash did not parse
         self._workloads: tuple[str, ...] = ()
-        self._last_result_id = "0-0"
+        self._last_completion_id = "0-0"
         self._completions: list[Completion] = []
         self._backend_ids: tuple[str, ...] = ()
         self._watch_since = time.monotonic()  # since when this term has seen Redis answer
@@ -195,8 +195,8 @@ class BrokerService:
     def _take_over(self) -> None:
         self._reset_memory()
         ensure_group(self._client, self.keys.events, BROKER_GROUP, start_id="$")
-        last = self._client.xrevrange(self.keys.results, count=1)
-        self._last_result_id = as_text(last[0][0]) if last else "0-0"
+        last = self._client.xrevrange(self.keys.completions, count=1)
+        self._last_completion_id = as_text(last[0][0]) if last else "0-0"
         fleet = self._read_fleet()
         self._refresh_workloads(fleet.workloads)
         for w in self._workloads:
@@ -342,20 +342,20 @@ class BrokerService:
     def _read_fleet(self, ack_events: list[bytes] | None = None) -> FleetRead:
         """The fleet in one round trip (two when a backend registered since the last read);
         new results become completions for the policy."""
-        fleet = read_fleet(self._client, self.keys, self._backend_ids, self._last_result_id,
+        fleet = read_fleet(self._client, self.keys, self._backend_ids, self._last_completion_id,
                            ack_events or (), self._views, self._touched)
         self._take_completions(fleet)
         if fleet.backend_index != self._backend_ids:
             self._backend_ids = fleet.backend_index
-            fleet = read_fleet(self._client, self.keys, self._backend_ids, self._last_result_id,
+            fleet = read_fleet(self._client, self.keys, self._backend_ids, self._last_completion_id,
                                cache=self._views)
             self._take_completions(fleet)
         self._touched = set()
         return fleet
 
     def _take_completions(self, fleet: FleetRead) -> None:
-        for entry_id, fields in fleet.results:
-            self._last_result_id = entry_id
+        for entry_id, fields in fleet.completions:
+            self._last_completion_id = entry_id
             c = completion_from_entry(fields)
             if c is not None:
                 self._completions.append(c)

@@ -7,6 +7,7 @@ streams and holds in its consumer-group backlog), oldest first, requeued ones in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from broker.policies.base import (
     Snapshot,
     Telemetry,
 )
-from broker.session import Session, SessionResult
+from broker.session import Session
 from broker.streams import as_text
 from broker.weights import NOT_UPDATED, WeightsState
 
@@ -40,7 +41,7 @@ class FleetRead:
     heartbeats: Mapping[str, HeartbeatRecord | None]
     mixture: Mapping[str, float]
     consumed: Mapping[str, int]
-    results: tuple[tuple[str, Mapping], ...] = ()  # results-stream entries after `results_after`
+    completions: tuple[tuple[str, Mapping], ...] = ()  # entries after `completions_after`
     weights: WeightsState = NOT_UPDATED  # pause, version served and staleness bound
 
 
@@ -130,7 +131,7 @@ class _ViewMemo:
 
 
 def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
-               results_after: str | None = None, ack_events: Sequence[bytes] = (),
+               completions_after: str | None = None, ack_events: Sequence[bytes] = (),
                cache: ViewCache | None = None, expect_changed: Iterable[str] = ()) -> FleetRead:
     """One round trip: the index sets, mixture, consumed, each listed backend's ledger and
     heartbeat, new results (if `results_after`), and the broker's ack of the events it woke on.
@@ -148,7 +149,7 @@ def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
     pipe.smembers(keys.workloads)
     pipe.hgetall(keys.mixture)
     pipe.hgetall(keys.consumed)
-    pipe.xread({keys.results: results_after or "$"}, count=10000)
+    pipe.xread({keys.completions: completions_after or "$"}, count=10000)
     pipe.hgetall(keys.weights)
     if ack_events:
         pipe.xack(keys.events, BROKER_GROUP, *ack_events)
@@ -159,7 +160,7 @@ def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
             pipe.hgetall(keys.ledger_sessions(b))
         pipe.get(keys.heartbeat(b))
     replies = pipe.execute()
-    index, workloads, mixture, consumed, results, weights = replies[:6]
+    index, workloads, mixture, consumed, completions, weights = replies[:6]
     it = iter(replies[8:] if ack_events else replies[6:])
     ledgers: dict[str, LedgerState] = {}
     beats: dict[str, HeartbeatRecord | None] = {}
@@ -202,8 +203,8 @@ def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
                 beats[b] = parse_heartbeat(raw_beats[b])
     if cache is not None:
         cache.keep_backends(ledgers)
-    entries = tuple((as_text(eid), f) for _, es in (results or []) for eid, f in es) \
-        if results_after else ()
+    entries = tuple((as_text(eid), f) for _, es in (completions or []) for eid, f in es) \
+        if completions_after else ()
     return FleetRead(
         backend_index=tuple(sorted(as_text(b) for b in index)),
         workloads=tuple(sorted(as_text(w) for w in workloads)),
@@ -211,7 +212,7 @@ def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
         heartbeats=beats,
         mixture={as_text(k): float(v) for k, v in mixture.items()},
         consumed={as_text(k): int(v) for k, v in consumed.items()},
-        results=entries,
+        completions=entries,
         weights=WeightsState.from_hash(weights),
     )
 
@@ -330,21 +331,17 @@ def build_snapshot(now: float, pending: Mapping[str, Sequence[PendingItem]], fle
     )
 
 
+def completion_json(c: Completion) -> str:
+    """A completion as the completions stream carries it (`completion_from_entry` reads it)."""
+    return json.dumps(dataclasses.asdict(c), separators=(",", ":"))
+
+
 def completion_from_entry(fields: Mapping) -> Completion | None:
-    """A results-stream entry as a policy `Completion`; None if it cannot be read."""
-    f = {as_text(k): v for k, v in fields.items()}
+    """A completions-stream entry as a policy `Completion`; None if it cannot be read."""
+    raw = fields.get(b"completion", fields.get("completion"))
     try:
-        r = SessionResult.model_validate_json(f["result"])
-        stats = json.loads(f.get("stats") or "{}")
-    except (KeyError, ValueError):
+        d = json.loads(raw)
+        d["turn_output_tokens"] = tuple(int(t) for t in d["turn_output_tokens"])
+        return Completion(**d)
+    except (TypeError, ValueError, KeyError):
         return None
-    turns = stats.get("turn_output_tokens") or ([r.output_tokens] if r.turns <= 1 else [])
-    return Completion(
-        session_id=r.session_id, workload=r.workload, backend_id=r.backend_id or "",
-        prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens,
-        turn_output_tokens=tuple(int(t) for t in turns), turns=r.turns,
-        tool_wait_s=float(stats.get("tool_wait_s", 0.0)),
-        kv_token_seconds=float(stats.get("kv_token_seconds", 0.0)),
-        admitted_at=r.admitted_at or 0.0, finished_at=r.finished_at or 0.0,
-        truncated=bool(stats.get("truncated", False)),
-    )

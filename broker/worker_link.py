@@ -37,10 +37,12 @@ from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S, EngineMetrics, HeartbeatRe
 from broker.keys import WORKERS_GROUP, Keys, check_backend_id
 from broker.ledger import Ledger
 from broker.plans import Runner, ScriptCall, durable
+from broker.policies.base import Completion
 from broker.queue import with_bodies
 from broker.redis_conn import connect, durability, is_outage
 from broker.scripts import Scripts
 from broker.session import Session, SessionResult, SessionState
+from broker.snapshot import completion_json
 from broker.streams import BacklogCursor, as_text
 from broker.weights import PAUSED_EVENTS_MAXLEN, WeightsState, read_state
 
@@ -54,6 +56,19 @@ class CompletionStats(BaseModel):
     tool_wait_s: float = Field(default=0.0, ge=0.0)
     kv_token_seconds: float = Field(default=0.0, ge=0.0)
     truncated: bool = False
+
+
+def completion_of(r: SessionResult, stats: CompletionStats) -> Completion:
+    """What the policy learns from a finished session: its result and the worker's stats."""
+    turns = stats.turn_output_tokens or ([r.output_tokens] if r.turns <= 1 else [])
+    return Completion(
+        session_id=r.session_id, workload=r.workload, backend_id=r.backend_id or "",
+        prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens,
+        turn_output_tokens=tuple(int(t) for t in turns), turns=r.turns,
+        tool_wait_s=float(stats.tool_wait_s), kv_token_seconds=float(stats.kv_token_seconds),
+        admitted_at=r.admitted_at or 0.0, finished_at=r.finished_at or 0.0,
+        truncated=bool(stats.truncated),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,10 +236,10 @@ class WorkerLink:
             "finish",
             keys=[k.session(result.session_id), k.ledger(b), k.ledger_sessions(b), k.admitted(b),
                   k.results, k.events, k.kv_seconds, k.requeue(result.workload), k.stats,
-                  k.settings, k.body(result.session_id)],
+                  k.settings, k.body(result.session_id), k.completions],
             args=[result.session_id, b, result.status.value, result.model_dump_json(),
                   stats.model_dump_json(), repr(now), repr(stats.kv_token_seconds),
-                  str(result.output_tokens)])
+                  str(result.output_tokens), completion_json(completion_of(result, stats))])
 
 
     def hand_back(self, sessions: Sequence[Session], why: str, now: float | None = None,

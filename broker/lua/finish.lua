@@ -4,10 +4,13 @@
 -- KEYS[5] = rb:{ns}:results                KEYS[6] = rb:{ns}:events
 -- KEYS[7] = rb:{ns}:kvsec                  KEYS[8] = rb:{ns}:requeue:<workload>
 -- KEYS[9] = rb:{ns}:stats                  KEYS[10] = rb:{ns}:settings
--- KEYS[11] = rb:{ns}:body:<sid>
+-- KEYS[11] = rb:{ns}:body:<sid>            KEYS[12] = rb:{ns}:completions
 -- ARGV[1] = sid   ARGV[2] = backend id   ARGV[3] = status ('done' | 'failed')
 -- ARGV[4] = SessionResult JSON   ARGV[5] = completion stats JSON   ARGV[6] = now
--- ARGV[7] = KV-token-seconds the session held   ARGV[8] (optional) = its output tokens
+-- ARGV[7] = KV-token-seconds the session held   ARGV[8] = its output tokens
+-- ARGV[9] = the completion the broker learns from (JSON, broker/snapshot.py), added to the
+-- capped completions stream: the results stream loses an entry when the trainer acknowledges
+-- it, maybe before the broker read it.
 -- On 'ok' the kvsec hash counts, per workload: the KV-token-seconds (field <workload>), the
 -- results ('n:'), their output tokens ('tok:'), the failed ones ('failed:') and their latency
 -- since enqueue in √2-wide buckets ('lat:<workload>:<bucket>', broker/latency.py).
@@ -58,9 +61,8 @@ redis.call('HDEL', KEYS[1], 'checkpoint')
 retire(KEYS[1], KEYS[11], KEYS[10], true)
 redis.call('HINCRBYFLOAT', KEYS[7], workload, ARGV[7])
 redis.call('HINCRBY', KEYS[7], 'n:' .. workload, 1)
-if ARGV[8] then
-  redis.call('HINCRBY', KEYS[7], 'tok:' .. workload, ARGV[8])
-end
+redis.call('HINCRBY', KEYS[7], 'tok:' .. workload, ARGV[8])
+redis.call('XADD', KEYS[12], 'MAXLEN', '~', '10000', '*', 'completion', ARGV[9])
 if ARGV[3] == 'failed' then
   redis.call('HINCRBY', KEYS[7], 'failed:' .. workload, 1)
 end

@@ -570,3 +570,30 @@ def test_an_acknowledged_result_leaves_the_stream(world, redis_client):
     assert redis_client.hget(k.consumed, "rlvr") == b"1"
     client.close()  # acknowledges what it was handed (s2 was only buffered)
     assert redis_client.xlen(k.results) == 1
+
+
+def test_a_finish_feeds_the_broker_a_completion_the_trainers_ack_cannot_take(world, redis_client):
+    """The broker learns lengths from the capped completions stream: the result itself may be
+    acknowledged, and so deleted, before the broker reads it."""
+    from broker.client import RolloutClient
+    from broker.snapshot import completion_from_entry, read_fleet
+    from broker.worker_link import CompletionStats, completion_of
+
+    k = world.k
+    link = world.admitted("b0", 1)
+    done = SessionResult(session_id="s1", workload="rlvr", status=SessionState.done,
+                         output_tokens=7, prompt_tokens=8, turns=1)
+    stats = CompletionStats(turn_output_tokens=[7], tool_wait_s=0.5, kv_token_seconds=12.5)
+    assert link.finish(done, stats) == "ok"
+    client = RolloutClient(world.url, world.ns)
+    assert [r.session_id for r in client.results(1, timeout=5)] == ["s1"]
+    client.close()  # acknowledged: the result has left the stream
+    assert redis_client.xlen(k.results) == 0
+    fleet = read_fleet(redis_client, k, ["b0"], completions_after="0-0")
+    [(_, fields)] = fleet.completions
+    got = completion_from_entry(fields)
+    assert got == completion_of(done.model_copy(update={"backend_id": "b0",
+                                                        "finished_at": got.finished_at}), stats)
+    assert got.finished_at > 0
+    assert (got.output_tokens, got.turn_output_tokens, got.kv_token_seconds) == (7, (7,), 12.5)
+    assert completion_from_entry({b"completion": b"{not json"}) is None
