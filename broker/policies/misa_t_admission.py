@@ -31,19 +31,28 @@ _TURN = operator.attrgetter("turn")
 
 class PrefixKeys:
     """The prefix keys of pending items, by session (or GRPO group), kept across calls: an
-    item waits through many calls and its key is the same in each."""
+    item waits through many calls and its key is the same in each.
 
-    def __init__(self) -> None:
-        self._keys: dict[str, PrefixKey] = {}
+    Two generations, so memory follows what is still asked for, not everything ever placed:
+    once `generation` keys are new, the older generation goes; a key asked for again moves to
+    the new one (a head still waiting, the next member of a group)."""
+
+    def __init__(self, generation: int = 4096) -> None:
+        self.generation = generation
+        self._new: dict[str, PrefixKey] = {}
+        self._old: dict[str, PrefixKey] = {}
+
+    def __len__(self) -> int:
+        return len(self._new) + len(self._old)
 
     def of(self, item: PendingItem) -> PrefixKey:
         cache_id = item.group_id if item.group_id is not None else item.session_id
-        key = self._keys.get(cache_id)
+        key = self._new.get(cache_id)
         if key is None:
-            key = prefix_key(item.prefix)
-            if len(self._keys) > 65536:
-                self._keys.clear()
-            self._keys[cache_id] = key
+            key = self._old.pop(cache_id, None) or prefix_key(item.prefix)
+            if len(self._new) >= self.generation:
+                self._old, self._new = self._new, {}
+            self._new[cache_id] = key
         return key
 
 
