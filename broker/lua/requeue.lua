@@ -20,11 +20,12 @@
 -- Invariant: each listed session still admitted/running on this backend leaves it in one step:
 -- its reservation is released exactly and its admitted entry acked and deleted. A session that
 -- was running counts an attempt; if that reaches the session's max_attempts it ends 'failed'
--- with one published result naming why (and is retired, lib.lua), else it goes to the front of its workload (the requeue
--- stream) as 'pending', keeping its original enqueue time, with requeued_from = b so a late
--- finish from b is still accepted while nobody else has it (see finish.lua). Its requeue entry
--- carries the id and enqueue time only; the body stays in (or, for a session enqueued by an
--- earlier version, moves from the hash's 'session' field to) rb:{ns}:body:<sid>.
+-- with one published result naming why (and is retired, lib.lua), else it goes to the front
+-- of its workload (the requeue stream) as 'pending', keeping its original enqueue time, with
+-- requeued_from = b so a late finish from b is still accepted while nobody else has it (see
+-- finish.lua). Its requeue entry carries the id and enqueue time only; the body stays in (or,
+-- for a session enqueued by an earlier version, moves from the hash's 'session' field to)
+-- rb:{ns}:body:<sid>.
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 'lease'
 end

@@ -49,7 +49,9 @@ class PrefixKeys:
         cache_id = item.group_id if item.group_id is not None else item.session_id
         key = self._new.get(cache_id)
         if key is None:
-            key = self._old.pop(cache_id, None) or prefix_key(item.prefix)
+            key = self._old.pop(cache_id, None)
+            if key is None:
+                key = prefix_key(item.prefix)
             if len(self._new) >= self.generation:
                 self._old, self._new = self._new, {}
             self._new[cache_id] = key
