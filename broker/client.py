@@ -473,7 +473,7 @@ class RolloutClient(_Plans):
     def set_session_retention(self, seconds: float) -> None:
         """Keep an ended session's state (`GET /sessions/<id>`; a repeated id refused at
         enqueue) for `seconds` after it ends, from now on (default 3600). Its body and its
-        acknowledged result are not kept at all (docs/reliability.md: Retention)."""
+        acknowledged result are not kept at all (docs/reliability.md: What Redis keeps)."""
         self._runner.run(self._retried(self._set_session_retention, seconds))
 
     def weights(self) -> WeightsState:

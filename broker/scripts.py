@@ -1,9 +1,9 @@
 """Load the Lua scripts in `broker/lua/` once per Redis client.
 
 Each `*.lua` file opens with its KEYS/ARGV and the invariant it keeps; `lib.lua` holds the
-helpers they share and is put in front of each. `Scripts(client)` wraps
-them with redis-py's `Script` objects: EVALSHA, loading the body on NOSCRIPT; a script object can
-also be called with `client=pipeline` so many calls go out in one round trip.
+helpers they share and is put in front of each. `Scripts(client)` wraps them with redis-py's
+`Script` objects: EVALSHA, loading the body on NOSCRIPT; a script object can also be called
+with `client=pipeline` so many calls go out in one round trip.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ SCRIPT_NAMES = (
     "lease_renew", "lease_release", "dead_letter", "ack_results", "weights", "expire",
     "checkpoint",
 )
-
 
 
 def _lua(name: str) -> str:

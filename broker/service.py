@@ -341,7 +341,7 @@ class BrokerService:
 
     def _read_fleet(self, ack_events: list[bytes] | None = None) -> FleetRead:
         """The fleet in one round trip (two when a backend registered since the last read);
-        new results become completions for the policy."""
+        new completions go to the policy."""
         fleet = read_fleet(self._client, self.keys, self._backend_ids, self._last_completion_id,
                            ack_events or (), self._views, self._touched)
         self._take_completions(fleet)

@@ -134,7 +134,8 @@ def read_fleet(client: redis.Redis, keys: Keys, backend_ids: Sequence[str],
                completions_after: str | None = None, ack_events: Sequence[bytes] = (),
                cache: ViewCache | None = None, expect_changed: Iterable[str] = ()) -> FleetRead:
     """One round trip: the index sets, mixture, consumed, each listed backend's ledger and
-    heartbeat, new results (if `results_after`), and the broker's ack of the events it woke on.
+    heartbeat, new completions (if `completions_after`), and the broker's ack of the events it
+    woke on.
     A caller whose `backend_ids` differ from the returned `backend_index` reads again.
 
     With a `cache`, a ledger's sessions are read only where the cache does not hold them at
