@@ -158,6 +158,10 @@ class EngineCore:
             stop = eos_length(req.token_seed, p.eos_median, p.eos_sigma)
         if req.output_len is None:
             stop = max(stop, req.min_tokens)  # vLLM holds back EOS until min_tokens
+        if req.forced_ending is not None:  # the ending fits whole, unless max_tokens cuts it
+            req.ending_ids = list(req.forced_ending(req.token_seed))
+            stop = max(stop, len(req.ending_ids))
+            req.ending_start = stop - len(req.ending_ids)
         req.stop_len = min(stop, req.max_tokens, self.max_model_len - req.num_prompt_tokens)
         if req.stop_token_ids or req.stop_scan is not None:
             self._apply_stop_conditions(req)
@@ -517,7 +521,7 @@ class EngineCore:
         elif req in sch.waiting:
             sch.waiting.remove(req)
         self.kv.free(req)
-        if reason is None and req.stop_reason is not None:
+        if reason is None and (req.stop_reason is not None or req.ends_with_eos):
             reason = FinishReason.stop
         elif reason is None:
             capped = req.stop_len == req.max_tokens or req.num_tokens >= self.max_model_len

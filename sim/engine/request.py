@@ -10,6 +10,9 @@ from sim.engine.block_pool import Block
 # (output token ids, min_tokens) -> (output tokens up to and including the one that completes a
 # stop condition, what stopped it), or None when nothing in them does.
 StopScan = Callable[[list[int], int], tuple[int, int | str] | None]
+# (the request's token seed) -> the ids its output must end with: a tool call and EOS for the
+# server's `sim_tool_call` (the server knows the tokenizer, the engine the seed).
+ForcedEnding = Callable[[int], list[int]]
 
 
 class FinishReason(StrEnum):
@@ -39,14 +42,16 @@ class EngineRequest:
         "num_computed_tokens", "blocks", "block_hashes", "status", "num_cached_tokens",
         "num_preemptions", "first_token_time", "finish_time", "finish_reason", "token_seed",
         "_output_ids", "num_cached_blocks", "vocab_size", "num_tokens", "min_tokens",
-        "stop_token_ids", "stop_scan", "stop_reason", "weight_version_starts",
+        "stop_token_ids", "stop_scan", "stop_reason", "weight_version_starts", "forced_ending",
+        "ending_ids", "ending_start",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
                  output_len: int | None = None, ignore_eos: bool = False, seed: int | None = None,
                  arrival_time: float = 0.0, prefix_block_hashes: list[int] | None = None,
                  min_tokens: int = 0, stop_token_ids: frozenset[int] = frozenset(),
-                 stop_scan: StopScan | None = None) -> None:
+                 stop_scan: StopScan | None = None,
+                 forced_ending: ForcedEnding | None = None) -> None:
         """`prefix_block_hashes`: chained hashes of the prompt's leading full blocks when the
         caller already has them — an in-process driver passes the previous turn's hashes for
         the next turn of a conversation, so a long history is not hashed again. They must be
@@ -64,6 +69,11 @@ class EngineRequest:
         self.min_tokens = min_tokens
         self.stop_token_ids = stop_token_ids
         self.stop_scan = stop_scan
+        # Ids the output ends with in place of sampled ones (set on add: `ending_ids` at output
+        # positions [ending_start, ending_start + len); a max_tokens below the end cuts them).
+        self.forced_ending = forced_ending
+        self.ending_ids: list[int] = []
+        self.ending_start = 0
         # Engine state.
         self.stop_len = 0  # output tokens at which it will finish (set on add)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -99,15 +109,28 @@ class EngineRequest:
 
     def output_token_ids_upto(self, n: int) -> list[int]:
         """The ids at output positions [0, n), generated or not yet (materialised on demand:
-        they are a pure function of the request's seed and position)."""
+        they are a pure function of the request's seed and position, and of its forced
+        ending where it has one)."""
         from sim.engine.sampling import output_token_ids
 
         ids = self._output_ids
         if ids is None or len(ids) < n:
             have = [] if ids is None else ids
-            ids = have + output_token_ids(self.token_seed, len(have), n, self.vocab_size)
+            fresh = output_token_ids(self.token_seed, len(have), n, self.vocab_size)
+            start, ending = self.ending_start, self.ending_ids
+            lo, hi = max(len(have), start), min(n, start + len(ending))
+            if lo < hi:
+                fresh[lo - len(have):hi - len(have)] = ending[lo - start:hi - start]
+            ids = have + fresh
             self._output_ids = ids
         return ids[:n]
+
+    @property
+    def ends_with_eos(self) -> bool:
+        """Its output so far ends with the whole forced ending, whose last id is EOS: a model
+        that samples EOS stops there, at max_tokens too (unless told to ignore EOS)."""
+        return (bool(self.ending_ids) and not self.ignore_eos
+                and self.num_output_tokens == self.ending_start + len(self.ending_ids))
 
     @property
     def output_logprobs(self) -> list[float]:

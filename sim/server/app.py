@@ -246,7 +246,7 @@ def _add_token_routes(app: FastAPI) -> None:
         s.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
             ids = P.chat_prompt(req.messages, req.add_generation_prompt,
-                                req.continue_final_message, s.tokenizer).token_ids
+                                req.continue_final_message, s.tokenizer, req.tools).token_ids
         else:
             ids = s.tokenizer.encode(req.prompt)
         strs = s.tokenizer.pieces(ids) if req.return_token_strs else None

@@ -2,23 +2,33 @@
 
 Validation here mirrors vLLM's serving layer (messages and `param` names as vLLM gives them), so a
 request that real vLLM rejects with a 400 is rejected here with the same field named.
+
+`sim_tool_call` becomes the engine request's forced ending: the tokens of a hermes call of the
+request's tool (`forced_tool_call`), then EOS, with arguments drawn from the request's seed.
 """
 
 from __future__ import annotations
 
+import json
+import random
 from dataclasses import dataclass
 from typing import Any
 
+from broker.tool_calls import arguments_for, render_tool_call
+from sim.engine.request import ForcedEnding
 from sim.server.errors import ApiError
 from sim.server.protocol import (
+    ChatCompletionNamedToolChoiceParam,
     ChatCompletionRequest,
+    ChatCompletionToolsParam,
     ChatMessageParam,
     CompletionRequest,
     GenerateSamplingParams,
     InferenceGenerateRequest,
     SamplingFields,
+    ToolChoice,
 )
-from sim.server.tokenizer import ChatMessage, SimTokenizer
+from sim.server.tokenizer import ChatMessage, MessageToolCall, SimTokenizer, tools_in_prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,17 +63,102 @@ def _content_text(m: ChatMessageParam) -> str:
     return "".join(str(part.get("text", "")) for part in m.content if part.get("type") == "text")
 
 
+def _call_arguments(arguments: str | dict[str, Any] | None, field: str) -> dict[str, Any]:
+    """An earlier call's arguments as the template renders them: vLLM decodes the JSON text
+    first (empty means no arguments)."""
+    if not arguments:
+        return {}
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError as exc:
+        raise ApiError(f"{field}: not valid JSON ({exc})", param="messages") from exc
+
+
+def _template_message(m: ChatMessageParam, index: int) -> ChatMessage:
+    calls = tuple(
+        MessageToolCall(c.function.name, _call_arguments(
+            c.function.arguments, f"messages.{index}.tool_calls.{j}.function.arguments"))
+        for j, c in enumerate(m.tool_calls or ()))
+    return ChatMessage(m.role, _content_text(m), calls)
+
+
+def tool_dicts(tools: list[ChatCompletionToolsParam] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template lists them: the fields the client gave."""
+    return None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
+
+
 def chat_prompt(messages: list[ChatMessageParam], add_generation_prompt: bool,
-                continue_final_message: bool, tok: SimTokenizer) -> Prompt:
+                continue_final_message: bool, tok: SimTokenizer,
+                tools: list[ChatCompletionToolsParam] | None = None) -> Prompt:
     if not messages:
         raise ApiError("messages: must contain at least one message.", param="messages")
     if add_generation_prompt and continue_final_message:
         raise ApiError("Cannot set both `continue_final_message` and `add_generation_prompt` "
                        "to True.", param="continue_final_message")
-    text = tok.apply_chat_template([ChatMessage(m.role, _content_text(m)) for m in messages],
+    text = tok.apply_chat_template([_template_message(m, i) for i, m in enumerate(messages)],
                                    add_generation_prompt=add_generation_prompt,
-                                   continue_final_message=continue_final_message)
+                                   continue_final_message=continue_final_message,
+                                   tools=tool_dicts(tools))
     return Prompt(tok.encode(text), text)
+
+
+_NAMED_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+
+
+def check_tool_choice(tools: list[ChatCompletionToolsParam] | None,
+                      tool_choice: ToolChoice) -> None:
+    """vLLM's checks of `tool_choice` against `tools` (its messages, the field named)."""
+    if tool_choice is None or tool_choice == "none":
+        return
+    if tools is None:
+        raise ApiError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("auto", "required"):
+            raise ApiError(f"Invalid value for `tool_choice`: {tool_choice}! Only named tools, "
+                           '"none", "auto" or "required" are supported.', param="tool_choice")
+        return
+    if not tool_choice.function.name:
+        raise ApiError(f"Invalid `name` in `function`: `{tool_choice.function.name}` in "
+                       f"`tool_choice`! {_NAMED_USAGE}", param="tool_choice")
+    if all(t.function.name != tool_choice.function.name for t in tools):
+        raise ApiError("The tool specified in `tool_choice` does not match any of the specified "
+                       "`tools`", param="tool_choice")
+
+
+def tool_choice(req: ChatCompletionRequest) -> str | ChatCompletionNamedToolChoiceParam:
+    """The choice vLLM acts on: "auto" when tools come without one; "none" without tools (an
+    empty list included, where "required" falls back to "none" as in OpenAI's API)."""
+    if not req.tools:
+        return "none"
+    return "auto" if req.tool_choice is None else req.tool_choice
+
+
+def forced_tool_call(req: SamplingFields, prompt: Prompt, tok: SimTokenizer
+                     ) -> ForcedEnding | None:
+    """What `sim_tool_call` makes the output end with: the tokens of a call of the chat
+    request's named `tool_choice` or first tool — for a prompt of text or token ids, of the
+    first tool of its last tools block — then EOS; arguments valid for the function's
+    parameters, drawn from the request's token seed. None without the hint or a tool."""
+    if not req.sim_tool_call:
+        return None
+    if isinstance(req, ChatCompletionRequest):
+        functions = [t.function.model_dump() for t in req.tools or ()]
+        if isinstance(req.tool_choice, ChatCompletionNamedToolChoiceParam):
+            functions = [f for f in functions if f["name"] == req.tool_choice.function.name]
+    else:
+        text = prompt.text if prompt.text is not None else tok.decode(prompt.token_ids)
+        functions = [t.get("function", t) for t in tools_in_prompt(text)]
+    if not functions or not isinstance(functions[0].get("name"), str):
+        return None
+    name, parameters = functions[0]["name"], functions[0].get("parameters")
+
+    def ending(token_seed: int) -> list[int]:
+        call = render_tool_call(name, arguments_for(parameters, random.Random(token_seed)))
+        return tok.encode(call) + [tok.eos_token_id]
+
+    return ending
 
 
 MAX_LOGPROBS = 20  # vLLM's default `--max-logprobs`
@@ -158,6 +253,12 @@ def generate_inputs(req: InferenceGenerateRequest, vocab_size: int, max_model_le
     extra = sp.extra_args or {}
     if "sim_output_len" in extra:
         sp = sp.model_copy(update={"sim_output_len": int(extra["sim_output_len"])})
+    if "sim_tool_call" in extra:
+        if not isinstance(extra["sim_tool_call"], bool):
+            raise ApiError("sim_tool_call must be true or false, got "
+                           f"{extra['sim_tool_call']!r}.",
+                           param="sampling_params.extra_args.sim_tool_call")
+        sp = sp.model_copy(update={"sim_tool_call": extra["sim_tool_call"]})
     try:
         check_sampling(sp)
     except ApiError as exc:
@@ -191,8 +292,9 @@ def chat_inputs(req: ChatCompletionRequest, tok: SimTokenizer,
                 max_model_len: int) -> tuple[Prompt, int]:
     """The validated rendered prompt of a chat request and its max_tokens."""
     check_sampling(req)
+    check_tool_choice(req.tools, req.tool_choice)
     prompt = chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
-                         tok)
+                         tok, req.tools)
     requested, field = chat_max_tokens(req)
     return prompt, resolve_max_tokens(requested, len(prompt.token_ids), max_model_len, field,
                                       "messages")
@@ -222,6 +324,15 @@ def sampling_params(req: SamplingFields, max_tokens: int) -> dict[str, Any]:
         "max_tokens": max_tokens,
         "min_tokens": req.min_tokens,
         "skip_special_tokens": req.skip_special_tokens,
-        "extra_args": ({"sim_output_len": req.sim_output_len}
-                       if req.sim_output_len is not None else None),
+        "extra_args": _sim_extra_args(req),
     }
+
+
+def _sim_extra_args(req: SamplingFields) -> dict[str, Any] | None:
+    """The sim-only hints as `/inference/v1/generate` takes them, in `extra_args`."""
+    extra: dict[str, Any] = {}
+    if req.sim_output_len is not None:
+        extra["sim_output_len"] = req.sim_output_len
+    if req.sim_tool_call:
+        extra["sim_tool_call"] = True
+    return extra or None

@@ -5,8 +5,11 @@ and `serve/disagg/protocol.py` (render). Requests accept unknown fields (vLLM lo
 them), so clients written for real vLLM work unchanged. Stop conditions (`stop`,
 `stop_token_ids`, `min_tokens`) end outputs as in vLLM and logprobs come back in vLLM's shapes;
 the knobs that change no simulated token (temperature, top_p, top_k, min_p, repetition_penalty)
-are validated and echoed where vLLM echoes them. One extra field, `sim_output_len`, fixes the
-output length; real vLLM ignores it.
+are validated and echoed where vLLM echoes them. Two extra fields steer the simulated output and
+real vLLM ignores them: `sim_output_len` fixes its length, `sim_tool_call` makes it end with a
+call of one of the request's tools (see `SamplingFields`). Chat requests carry OpenAI function
+tools (`tools`, `tool_choice`, assistant `tool_calls`, `tool` messages) and replies carry
+`tool_calls`, as vLLM's do with `--enable-auto-tool-choice --tool-call-parser hermes`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from broker.tool_calls import tool_call_id
 
 
 def random_uuid() -> str:
@@ -72,6 +77,12 @@ class SamplingFields(OpenAIBaseModel):
     sim_output_len: int | None = Field(
         default=None, description="Simulator only: stop after this many tokens (≤ max_tokens)."
     )
+    sim_tool_call: bool = Field(
+        default=False, description="Simulator only: end the output with a hermes tool call of "
+        "the named tool_choice or the first tool (for prompts given as text or token ids: the "
+        "first tool of the prompt's last <tools> block), then EOS. The output is as long as it "
+        "would have been, or as the call and EOS if that is longer, up to max_tokens."
+    )
 
 
 class CompletionRequest(SamplingFields):
@@ -82,13 +93,58 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
 
+class FunctionCallParam(OpenAIBaseModel):
+    name: str
+    arguments: str | dict[str, Any] | None = None  # JSON text, as OpenAI sends it (or decoded)
+
+
+class ToolCallParam(OpenAIBaseModel):
+    """A call an earlier assistant message made."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessageParam(OpenAIBaseModel):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]] | None = None  # None: an assistant that only calls
+    tool_calls: list[ToolCallParam] | None = None  # role "assistant"
+    tool_call_id: str | None = None  # role "tool": the call this answers
+    name: str | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    """`tool_choice` naming the function to call."""
+
+    function: ChatCompletionNamedFunction
+    type: Literal["function"] = "function"
+
+
+# "none" | "auto" | "required" | a named function; None: "auto" with tools, else "none" (vLLM).
+# A string is checked by the server, so a bad one gets vLLM's message.
+ToolChoice = str | ChatCompletionNamedToolChoiceParam | None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageParam]
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
@@ -107,6 +163,7 @@ class TokenizeCompletionRequest(OpenAIBaseModel):
 class TokenizeChatRequest(OpenAIBaseModel):
     model: str | None = None
     messages: list[ChatMessageParam]
+    tools: list[ChatCompletionToolsParam] | None = None  # listed as the chat template does
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -182,10 +239,22 @@ class CompletionStreamResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -208,9 +277,24 @@ class ChatCompletionResponse(OpenAIBaseModel):
     prompt_token_ids: list[int] | None = None
 
 
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A streamed piece of call number `index` (the sim streams each call whole)."""
+
+    id: str | None = None
+    type: Literal["function"] | None = None
+    index: int
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):
@@ -248,8 +332,9 @@ class GenerateRequest(OpenAIBaseModel):
 
 class GenerateSamplingParams(SamplingFields):
     """`sampling_params` of vLLM's `/inference/v1/generate` (its SamplingParams' fields).
-    `extra_args.sim_output_len` fixes a simulated output's length, as the render endpoints
-    write it; real vLLM passes extra_args through to logits processors and ignores it."""
+    `extra_args.sim_output_len` and `extra_args.sim_tool_call` steer a simulated output as the
+    top-level fields do, written there by the render endpoints; real vLLM passes extra_args
+    through to logits processors and ignores them."""
 
     max_tokens: int | None = 16
     logprobs: int | None = None

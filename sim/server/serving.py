@@ -4,6 +4,9 @@ A request with P prompts and `n` samples becomes P·n engine requests (ids `{id}
 gets `seed + i`, as vLLM's parallel sampling seeds its children). Choice index = p·n + i, usage
 counts each prompt once and every sample's tokens, `cached_tokens` sums the first sample of each
 prompt — the same bookkeeping vLLM's OpenAIServingCompletion does.
+
+Chat replies to requests with tools are read as vLLM reads them when it is started with
+`--enable-auto-tool-choice --tool-call-parser hermes` (`chat_reply`).
 """
 
 from __future__ import annotations
@@ -17,15 +20,24 @@ from itertools import accumulate
 
 from starlette.requests import Request
 
+from broker.tool_calls import parse_tool_calls
 from sim.engine.request import EngineRequest, StopScan
 from sim.engine.sampling import top_alternatives
 from sim.server.driver import EngineDriver
 from sim.server.errors import ApiError
-from sim.server.prompts import Prompt, requested_logprobs, stop_strings
+from sim.server.prompts import (
+    Prompt,
+    forced_tool_call,
+    requested_logprobs,
+    stop_strings,
+    tool_choice,
+)
 from sim.server.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
+    ChatCompletionNamedToolChoiceParam,
+    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionStreamChoice,
@@ -35,7 +47,10 @@ from sim.server.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     GenerateChoice,
     GenerateLogProb,
     GenerateLogProbs,
@@ -44,6 +59,7 @@ from sim.server.protocol import (
     InferenceGenerateRequest,
     PromptTokenUsageInfo,
     SamplingFields,
+    ToolCall,
     UsageInfo,
     WeightVersionSpan,
 )
@@ -104,6 +120,7 @@ def start_generation(driver: EngineDriver, request_id: str, model: str, prompts:
     scan = stop_string_scan(tok, stop_strings(req))
     stop_ids = frozenset(req.stop_token_ids or ())
     for p, prompt in enumerate(prompts):
+        ending = forced_tool_call(req, prompt, tok)
         for i in range(req.n):
             gen.requests.append(EngineRequest(
                 request_id=f"{request_id}-{p}-{i}",
@@ -115,6 +132,7 @@ def start_generation(driver: EngineDriver, request_id: str, model: str, prompts:
                 min_tokens=req.min_tokens,
                 stop_token_ids=stop_ids,
                 stop_scan=scan,
+                forced_ending=ending,
             ))
     try:
         for r in gen.requests:
@@ -176,9 +194,12 @@ async def finished_in_order(driver: EngineDriver, gen: Generation) -> AsyncItera
 
 
 def _text(tok: SimTokenizer, r: EngineRequest, req: SamplingFields) -> str:
-    """The output text; a stop string that ended it is cut off with what follows it, unless
-    `include_stop_str_in_output` (vLLM's detokenizer does the same)."""
-    text = tok.decode(r.output_token_ids, skip_special_tokens=req.skip_special_tokens)
+    """The output text; a stop string or the EOS that ended it is cut off (with what follows a
+    stop string), unless `include_stop_str_in_output` (vLLM's detokenizer does the same)."""
+    ids = r.output_token_ids
+    if r.ends_with_eos and not req.include_stop_str_in_output:
+        ids = ids[:-1]
+    text = tok.decode(ids, skip_special_tokens=req.skip_special_tokens)
     if isinstance(r.stop_reason, str) and not req.include_stop_str_in_output:
         at = text.rfind(r.stop_reason)
         if at != -1:
@@ -263,17 +284,48 @@ def completion_response(gen: Generation, tok: SimTokenizer, req: SamplingFields,
                               choices=choices, usage=gen.usage())
 
 
+@dataclass(frozen=True, slots=True)
+class ChatReply:
+    """One choice's reply: its text, the calls read from it, the finish reason to report."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+    finish_reason: str | None
+
+
+def chat_reply(req: SamplingFields, text: str, finish_reason: str | None,
+               streaming: bool) -> ChatReply:
+    """vLLM's reading of a chat reply with the hermes parser. With tools and a tool_choice
+    other than "none" the text is parsed (`parse_tool_calls`). Calls found report "tool_calls"
+    as the finish reason, except for a named tool_choice ("stop" then, as in OpenAI's API) and,
+    when streaming, for a reply that did not end by stopping (vLLM streams "length" then);
+    named and "required" choices report content "" rather than None. The sim reads every choice
+    from hermes text: real vLLM constrains "required" and named choices to JSON instead."""
+    choice = tool_choice(req) if isinstance(req, ChatCompletionRequest) else "none"
+    if choice == "none":
+        return ChatReply(text, [], finish_reason)
+    parsed = parse_tool_calls(text)
+    calls = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments))
+             for c in parsed.calls]
+    named = isinstance(choice, ChatCompletionNamedToolChoiceParam)
+    content = parsed.content if choice == "auto" else parsed.content or ""
+    if calls and not named and (finish_reason == "stop" or not streaming):
+        finish_reason = "tool_calls"
+    return ChatReply(content, calls, finish_reason)
+
+
 def chat_response(gen: Generation, tok: SimTokenizer, req: SamplingFields) -> ChatCompletionResponse:
     want_ids = bool(req.return_token_ids)
     k = requested_logprobs(req)[0]
-    choices = [
-        ChatCompletionResponseChoice(
-            index=i, message=ChatMessage(role="assistant", content=_text(tok, r, req)),
-            finish_reason=_reason(r), stop_reason=r.stop_reason,
+    choices = []
+    for i, r in enumerate(gen.requests):
+        reply = chat_reply(req, _text(tok, r, req), _reason(r), streaming=False)
+        choices.append(ChatCompletionResponseChoice(
+            index=i, message=ChatMessage(role="assistant", content=reply.content,
+                                         tool_calls=reply.tool_calls),
+            finish_reason=reply.finish_reason, stop_reason=r.stop_reason,
             logprobs=None if k is None else chat_logprobs(tok, r, k, req),
-            token_ids=list(r.output_token_ids) if want_ids else None)
-        for i, r in enumerate(gen.requests)
-    ]
+            token_ids=list(r.output_token_ids) if want_ids else None))
     return ChatCompletionResponse(id=gen.request_id, created=gen.created, model=gen.model,
                                   choices=choices, usage=gen.usage(),
                                   prompt_token_ids=gen.prompts[0].token_ids if want_ids else None)
@@ -351,9 +403,23 @@ async def completion_stream(driver: EngineDriver, gen: Generation, tok: SimToken
     yield _sse("[DONE]")
 
 
+def _reply_deltas(reply: ChatReply) -> list[DeltaMessage]:
+    """A finished choice's deltas: its whole text in one; with calls, the text before them
+    (if any), every call whole in one more, then an empty one to carry the finish reason."""
+    if not reply.tool_calls:
+        return [DeltaMessage(content=reply.content)]
+    calls = [DeltaToolCall(index=j, id=c.id, type="function",
+                           function=DeltaFunctionCall(name=c.function.name,
+                                                      arguments=c.function.arguments))
+             for j, c in enumerate(reply.tool_calls)]
+    deltas = [DeltaMessage(content=reply.content)] if reply.content else []
+    return [*deltas, DeltaMessage(tool_calls=calls), DeltaMessage()]
+
+
 async def chat_stream(driver: EngineDriver, gen: Generation, tok: SimTokenizer,
                       req: SamplingFields) -> AsyncIterator[str]:
-    """A role chunk per choice first (as vLLM does), then one content chunk as each finishes."""
+    """A role chunk per choice first (as vLLM does), then as each finishes its deltas
+    (`_reply_deltas`): its logprobs and token ids ride on the first, its finish on the last."""
     want_ids = bool(req.return_token_ids)
 
     def chunk(choice: ChatCompletionStreamChoice, first: bool) -> str:
@@ -368,11 +434,16 @@ async def chat_stream(driver: EngineDriver, gen: Generation, tok: SimTokenizer,
     async for i in finished_in_order(driver, gen):
         r = gen.requests[i]
         k = requested_logprobs(req)[0]
-        yield chunk(ChatCompletionStreamChoice(
-            index=i, delta=DeltaMessage(content=_text(tok, r, req)),
-            finish_reason=_reason(r), stop_reason=r.stop_reason,
-            logprobs=None if k is None else chat_logprobs(tok, r, k, req),
-            token_ids=list(r.output_token_ids) if want_ids else None), False)
+        reply = chat_reply(req, _text(tok, r, req), _reason(r), streaming=True)
+        deltas = _reply_deltas(reply)
+        for j, delta in enumerate(deltas):
+            first, last = j == 0, j == len(deltas) - 1
+            yield chunk(ChatCompletionStreamChoice(
+                index=i, delta=delta,
+                finish_reason=reply.finish_reason if last else None,
+                stop_reason=r.stop_reason if last else None,
+                logprobs=None if k is None or not first else chat_logprobs(tok, r, k, req),
+                token_ids=list(r.output_token_ids) if want_ids and first else None), False)
     if _include_usage(req):
         usage = ChatCompletionStreamResponse(id=gen.request_id, created=gen.created,
                                              model=gen.model, choices=[], usage=gen.usage())

@@ -11,14 +11,25 @@ Id layout (all below the profile's `vocab_size`):
 Encoding is greedy and unique: special tokens first (as HF tokenizers parse them in text), then
 runs of `[ ]?[a-z]{1,3}` as word pieces, anything else byte by byte. decode(encode(s)) == s for
 every string; encode(decode(ids)) == ids for sequences of space-prefixed word pieces.
+
+The chat template is Qwen's ChatML with hermes tool calling (Qwen2.5/Qwen3): with `tools`, a
+first system block lists them between `<tools>` tags and says how to call them (a first system
+message given by the client opens that block; without one there is no default system prompt, as
+in Qwen3's template and as the sim renders chats without tools); an assistant's calls follow its
+content as `render_tool_call` writes them; consecutive `tool` messages share one user block of
+`<tool_response>`s. Without tools or tool messages it is plain ChatML.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from itertools import product
 from string import ascii_lowercase
+from typing import Any
+
+from broker.tool_calls import render_tool_call
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 NUM_SPECIAL_IDS = 16
@@ -34,10 +45,31 @@ def _word_pieces() -> list[str]:
     return [" " + w for w in words] + words
 
 
+# The system block Qwen's template writes when a request has tools, around one JSON per tool.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+# A tools block as rendered: the "<tools></tools>" mentioned in the preamble is no block.
+_TOOLS_BLOCK_RE = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class MessageToolCall:
+    """A call an assistant message made, with its arguments decoded from JSON."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[MessageToolCall, ...] = ()  # an assistant's calls, after its content
 
 
 class SimTokenizer:
@@ -120,11 +152,57 @@ class SimTokenizer:
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """ChatML, as Qwen's template renders it: `<|im_start|>{role}\\n{content}<|im_end|>\\n`."""
-        parts = [f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in messages]
+        """ChatML as Qwen's template renders it (see the module docstring):
+        `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, and with `tools` (OpenAI
+        function tools, as JSON objects) the hermes tool blocks. Rendering messages[:k] is a
+        prefix of rendering messages wherever k does not split a run of tool messages."""
+        parts = []
+        rest = messages
+        if tools:
+            opening = ""
+            if messages and messages[0].role == "system":
+                opening, rest = messages[0].content + "\n\n", messages[1:]
+            listed = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+            parts.append(f"<|im_start|>system\n{opening}{TOOLS_PREAMBLE}{listed}"
+                         f"{TOOLS_POSTAMBLE}<|im_end|>\n")
+        for i, m in enumerate(rest):
+            if m.role == "tool":
+                opens = i == 0 or rest[i - 1].role != "tool"
+                closes = i == len(rest) - 1 or rest[i + 1].role != "tool"
+                parts.append(("<|im_start|>user" if opens else "")
+                             + f"\n<tool_response>\n{m.content}\n</tool_response>"
+                             + ("<|im_end|>\n" if closes else ""))
+            else:
+                parts.append(f"<|im_start|>{m.role}\n{_with_calls(m)}<|im_end|>\n")
         if continue_final_message and messages:
             parts[-1] = parts[-1].removesuffix("<|im_end|>\n")
         elif add_generation_prompt:
             parts.append("<|im_start|>assistant\n")
         return "".join(parts)
+
+
+def _with_calls(m: ChatMessage) -> str:
+    """A message's content, then its calls, each on a line of its own after any text."""
+    text = m.content
+    for call in m.tool_calls:
+        text += ("\n" if text else "") + render_tool_call(call.name, call.arguments)
+    return text
+
+
+def tools_in_prompt(text: str) -> list[dict[str, Any]]:
+    """The tools listed in the last tools block of a rendered prompt (one JSON object a line, as
+    `apply_chat_template` writes them; a line that is not one is skipped), [] without a block."""
+    blocks = _TOOLS_BLOCK_RE.findall(text)
+    if not blocks:
+        return []
+    tools = []
+    for line in blocks[-1].split("\n"):
+        try:
+            tool = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(tool, dict):
+            tools.append(tool)
+    return tools
