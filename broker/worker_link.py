@@ -25,6 +25,7 @@ idempotent, so the caller retries it as it is.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +46,9 @@ from broker.session import Session, SessionResult, SessionState
 from broker.snapshot import completion_json
 from broker.streams import BacklogCursor, as_text
 from broker.weights import PAUSED_EVENTS_MAXLEN, WeightsState, read_state
+
+
+log = logging.getLogger("rollout_broker.worker")
 
 
 class CompletionStats(BaseModel):
@@ -182,11 +186,20 @@ class WorkerLink:
             live.append((entry_id, fields))
         # An entry carries the id; the bodies come in one round trip for the batch (an entry an
         # earlier version wrote still carries its own).
-        return [AdmittedSession(entry_id=as_text(entry_id), session=load_body(f[b"session"]),
-                                reserved_tokens=int(f[b"reserved"]))
-                for (entry_id, _), f in zip(live, with_bodies(
-                    self._client, self.keys, [{_as_bytes(k): v for k, v in fields.items()}
-                                              for _, fields in live]))]
+        out = []
+        for (entry_id, _), f in zip(live, with_bodies(
+                self._client, self.keys, [{_as_bytes(k): v for k, v in fields.items()}
+                                          for _, fields in live])):
+            if b"session" not in f:  # its body is gone (the session ended meanwhile): drop it
+                log.warning("backend %s: admitted entry %s (session %s) has no stored body; "
+                            "dropped", self.backend_id, as_text(entry_id),
+                            as_text(f.get(b"sid", b"?")))
+                self._client.xack(stream, WORKERS_GROUP, entry_id)
+                continue
+            out.append(AdmittedSession(entry_id=as_text(entry_id),
+                                       session=load_body(f[b"session"]),
+                                       reserved_tokens=int(f[b"reserved"])))
+        return out
 
     def mark_running(self, session_id: str, now: float | None = None) -> bool:
         """True: run it. False: it was cancelled, finished or moved away; drop it."""

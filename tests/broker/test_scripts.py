@@ -597,3 +597,17 @@ def test_a_finish_feeds_the_broker_a_completion_the_trainers_ack_cannot_take(wor
     assert got.finished_at > 0
     assert (got.output_tokens, got.turn_output_tokens, got.kv_token_seconds) == (7, (7,), 12.5)
     assert completion_from_entry({b"completion": b"{not json"}) is None
+
+
+def test_an_admitted_entry_whose_body_is_gone_is_dropped_not_a_crash(world):
+    """A worker that reads an admitted entry whose session's body was deleted (it ended
+    meanwhile) acknowledges and skips it; it does not stop on a KeyError."""
+    link = world.backend("b0", capacity=100)
+    world.q.enqueue([make_session(1), make_session(2)])
+    pending = world.read_pending()
+    assert world.admit("s1", "b0", 10, pending["s1"]) == "ok"
+    assert world.admit("s2", "b0", 10, pending["s2"]) == "ok"
+    world.r.delete(world.k.body("s1"))
+    [adm] = link.read_admitted(block_ms=None)
+    assert adm.session.session_id == "s2"
+    assert world.r.xpending(world.k.admitted("b0"), "workers")["pending"] == 1  # s2's only
