@@ -99,6 +99,7 @@ def sim_engine(
     seed: Annotated[int, typer.Option(help="seed for end-of-sequence lengths and token ids")] = 0,
     model_name: Annotated[Optional[str], typer.Option(help="served model name (default: the profile's)")] = None,
     fault_injection: Annotated[bool, typer.Option(help="serve POST /sim/faults (fault drills: a slow /metrics)")] = False,
+    journal: Annotated[int, typer.Option(help="keep the last N token-in/token-out requests' ids at GET /sim/journal (checks of token-exact clients)")] = 0,
 ) -> None:
     """Serve a simulated vLLM v1 engine over vLLM's OpenAI-compatible HTTP API."""
     from sim.engine.profiles import check_engine_options, get_profile
@@ -107,11 +108,13 @@ def sim_engine(
     try:
         get_profile(profile)
         check_engine_options(time_scale, kv_tokens)
+        if journal < 0:
+            raise ValueError(f"journal: must be 0 or more requests, not {journal}")
     except ValueError as exc:
         raise _usage_error("sim-engine", exc) from None
 
     serve(host=host, port=port, profile=profile, time_scale=time_scale, kv_tokens=kv_tokens,
-          seed=seed, model_name=model_name, fault_injection=fault_injection)
+          seed=seed, model_name=model_name, fault_injection=fault_injection, journal=journal)
 
 
 @command("tiny-model")

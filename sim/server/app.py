@@ -18,6 +18,7 @@ server's would.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -66,6 +67,10 @@ class EngineSettings:
     seed: int = 0
     model_name: str | None = None
     fault_injection: bool = False
+    # Keep the last `journal` token-in/token-out requests (`/inference/v1/generate`): their
+    # prompt and output ids, served at GET /sim/journal, so a test can check what a client
+    # recorded against what the engine consumed and produced. 0: none kept.
+    journal: int = 0
 
 
 @dataclass
@@ -80,6 +85,7 @@ class ServerState:
     registry: CollectorRegistry
     metrics_delay_s: float = 0.0  # an injected fault (see the module docstring)
     weights_path: str | None = None  # the last checkpoint a collective_rpc reload_weights named
+    journal: deque | None = None  # EngineSettings.journal
 
     @property
     def max_model_len(self) -> int:
@@ -106,7 +112,8 @@ def build_state(settings: EngineSettings) -> ServerState:
     cache_info = CacheConfigInfo(block_size=core.block_size, num_gpu_blocks=core.num_gpu_blocks)
     return ServerState(profile=profile, model_name=model_name,
                        tokenizer=SimTokenizer(profile.vocab_size), core=core, driver=driver,
-                       registry=build_registry(model_name, driver.stats, cache_info))
+                       registry=build_registry(model_name, driver.stats, cache_info),
+                       journal=deque(maxlen=settings.journal) if settings.journal else None)
 
 
 def create_app(settings: EngineSettings) -> FastAPI:
@@ -191,7 +198,17 @@ def _add_generation_routes(app: FastAPI) -> None:
                                        sampling, s.tokenizer)
         if not await serving.wait_all_or_disconnect(request, s.driver, gen):
             return Response(status_code=499)
-        return _json(serving.generate_response(gen, s.tokenizer, req))
+        reply = serving.generate_response(gen, s.tokenizer, req)
+        if s.journal is not None:
+            s.journal.append({"request_id": req.request_id, "prompt_token_ids": prompt.token_ids,
+                              "output_token_ids": reply.choices[0].token_ids,
+                              "finish_reason": reply.choices[0].finish_reason})
+        return _json(reply)
+
+    @app.get("/sim/journal")
+    async def journal(s: StateDep) -> list[dict[str, Any]]:
+        """The token-in/token-out requests kept (EngineSettings.journal), oldest first."""
+        return list(s.journal or ())
 
 
 class WeightVersionBody(BaseModel):
@@ -317,10 +334,11 @@ def _add_info_routes(app: FastAPI) -> None:
 
 def serve(host: str = "127.0.0.1", port: int = 8000, profile: str = "h200-30b-a3b",
           time_scale: float = 1.0, kv_tokens: int | None = None, seed: int = 0,
-          model_name: str | None = None, fault_injection: bool = False) -> None:
+          model_name: str | None = None, fault_injection: bool = False, journal: int = 0) -> None:
     """Run the server in the foreground until interrupted (`rollout-broker sim-engine`)."""
     settings = EngineSettings(profile=profile, time_scale=time_scale, kv_tokens=kv_tokens,
-                              seed=seed, model_name=model_name, fault_injection=fault_injection)
+                              seed=seed, model_name=model_name, fault_injection=fault_injection,
+                              journal=journal)
     # On SIGTERM, requests still generating are cut after 2 s instead of holding the process
     # until they finish (uvicorn waits for open connections otherwise).
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning",

@@ -42,25 +42,34 @@ class RunningEngine:
 def running_engine(profile: str = "h100-8b", time_scale: float = 50.0,
                    kv_tokens: int | None = None, seed: int = 0, model_name: str | None = None,
                    host: str = "127.0.0.1", startup_timeout_s: float = 10.0,
-                   fault_injection: bool = False) -> Iterator[RunningEngine]:
+                   fault_injection: bool = False, journal: int = 0) -> Iterator[RunningEngine]:
     settings = EngineSettings(profile=profile, time_scale=time_scale, kv_tokens=kv_tokens,
-                              seed=seed, model_name=model_name, fault_injection=fault_injection)
+                              seed=seed, model_name=model_name, fault_injection=fault_injection,
+                              journal=journal)
     app = create_app(settings)
+    with serving(app, host, "sim-engine", startup_timeout_s) as port:
+        yield RunningEngine(host=host, port=port, model_name=app.state.sim.model_name)
+
+
+@contextmanager
+def serving(app, host: str = "127.0.0.1", name: str = "app",
+            startup_timeout_s: float = 10.0) -> Iterator[int]:
+    """Serve an ASGI `app` on a free port of `host` from a daemon thread; yields the port."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
-                              name=f"sim-engine-{port}", daemon=True)
+                              name=f"{name}-{port}", daemon=True)
     thread.start()
     try:
         deadline = time.monotonic() + startup_timeout_s
         while not server.started:
             if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"sim engine on port {port} did not start")
+                raise RuntimeError(f"{name} on port {port} did not start")
             time.sleep(0.01)
-        yield RunningEngine(host=host, port=port, model_name=app.state.sim.model_name)
+        yield port
     finally:
         server.should_exit = True
         thread.join(timeout=10)
