@@ -32,6 +32,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import ValidationError
 
+from broker.episodes import close_episode, episode_base_url, episode_spec, forget, open_episode
 from broker.keys import TRAINER_GROUP, Keys
 from broker.ledger import EnqueueLimits, enqueue_limits, read_all
 from broker.mixture import quotas
@@ -326,6 +327,34 @@ class _Plans:
                              f"not {seconds!r}")
         yield cmd("hset", self.keys.settings, "session_retention_s", repr(float(seconds)))
 
+    # -- episodes the agent drives (broker/episodes.py, gateway/) ---------------------------------
+    def _open_episode(self, fields: Mapping[str, Any], gateway_url: str) -> Plan[str]:
+        spec = episode_spec(fields)
+        known = yield self._retry(self._known_workloads)
+        if spec.workload not in known:
+            raise ValueError(f"workload: {spec.workload!r} is not one of the namespace's "
+                             f"workloads {sorted(known)}")
+        if not (yield self._retry(open_episode, self.keys, spec)):
+            raise ValueError(f"session_id: {spec.session_id!r} is already used in namespace "
+                             f"{self.keys.namespace!r}")
+        if spec.group_id is not None:
+            self._groups.setdefault(spec.group_id, set()).add(spec.session_id)
+        return episode_base_url(gateway_url, spec.session_id)
+
+    def _close_episode(self, episode_id: str, reward: float | None) -> Plan[str]:
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
+                                   or not math.isfinite(reward)):
+            raise ValueError(f"reward: must be a finite number or None, not {reward!r}")
+        return (yield self._retry(close_episode, self.keys, episode_id,
+                                  None if reward is None else float(reward)))
+
+    def _set_episode_idle_timeout(self, seconds: float) -> Plan[None]:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+                or not math.isfinite(seconds) or seconds <= 0:
+            raise ValueError(f"episode_idle_timeout_s: must be a positive number of seconds, "
+                             f"not {seconds!r}")
+        yield cmd("hset", self.keys.settings, "episode_idle_timeout_s", repr(float(seconds)))
+
     def _cancel(self, session_id: str) -> Plan[str]:
         k = self.keys
         for _ in range(5):
@@ -339,6 +368,8 @@ class _Plans:
             keys += [k.events, k.control, k.settings, k.body(session_id)]
             reply = as_text((yield script("cancel", keys,
                                           [session_id, b or "", repr(time.time())])))
+            if reply == "cancelled":  # an agent's episode: its records go too (else a no-op)
+                yield from forget(self.keys, session_id)
             if reply != "retry":
                 return reply
         raise RuntimeError(f"session_id: {session_id!r} kept moving between backends; retry")
@@ -486,6 +517,26 @@ class RolloutClient(_Plans):
         enqueued. Returns each session's `cancel` outcome."""
         return self._runner.run(self._cancel_groups(list(group_ids)))
 
+    def open_episode(self, episode: Mapping[str, Any], gateway_url: str = "") -> str:
+        """Open an episode the agent drives through the session gateway (`rollout-broker
+        gateway`): `episode` holds a session's fields without a prompt (`session_id`,
+        `workload`, `group_id`, `group_size`, `max_tokens` per call, `max_turns` calls,
+        `sampling`, `policy_version`, `metadata`). Returns its base URL under `gateway_url`
+        (`{gateway_url}/sessions/{id}/v1`): the agent's OpenAI client calls it as is. Its
+        result arrives like any session's once `close_episode` names its reward."""
+        return self._runner.run(self._open_episode(episode, gateway_url))
+
+    def close_episode(self, episode_id: str, reward: float | None) -> str:
+        """End the episode and publish its one result (its calls as turns, token-exact) with
+        `reward`: 'ok', or the state it had ended in ('done', 'failed', 'cancelled'), or
+        'unknown'."""
+        return self._runner.run(self._close_episode(episode_id, reward))
+
+    def set_episode_idle_timeout(self, seconds: float) -> None:
+        """How long an episode's agent may go without a call before the broker releases its
+        KV charge (its next call is admitted again); 30 s by default."""
+        self._runner.run(self._retried(self._set_episode_idle_timeout, seconds))
+
     def cancel(self, session_id: str) -> str:
         """'cancelled', or the state that made it too late ('done', 'failed', 'cancelled',
         'dead_lettered'), or 'unknown'. A cancelled session publishes no result."""
@@ -575,6 +626,15 @@ class AsyncRolloutClient(_Plans):
 
     async def cancel(self, session_id: str) -> str:
         return await self._run(self._retried(self._cancel, session_id))
+
+    async def open_episode(self, episode: Mapping[str, Any], gateway_url: str = "") -> str:
+        return await self._run(self._open_episode(episode, gateway_url))
+
+    async def close_episode(self, episode_id: str, reward: float | None) -> str:
+        return await self._run(self._close_episode(episode_id, reward))
+
+    async def set_episode_idle_timeout(self, seconds: float) -> None:
+        await self._run(self._retried(self._set_episode_idle_timeout, seconds))
 
     async def status(self) -> dict[str, Any]:
         return await self._run(self._retried(self._status))

@@ -89,6 +89,38 @@ class Keys:
         deleted when the session ends (lua/lib.lua)."""
         return f"{self.prefix}body:{_check('session_id', session_id, _SESSION_RE)}"
 
+    # -- episodes the agent drives (gateway/, broker/episodes.py) ----------------------------------
+    def episode(self, session_id: str) -> str:
+        """String: an episode's spec (JSON: workload, group, sampling, limits, metadata), written
+        when it opens."""
+        return f"{self.prefix}episode:{_check('session_id', session_id, _SESSION_RE)}"
+
+    def episode_turns(self, session_id: str) -> str:
+        """List: the episode's turn records (TurnRecord JSON), one or more per call, in order."""
+        return f"{self.episode(session_id)}:turns"
+
+    def episode_reply(self, session_id: str) -> str:
+        """String: the reply to the episode's last call, handed again to a retry of that call."""
+        return f"{self.episode(session_id)}:reply"
+
+    def episode_text(self, session_id: str) -> str:
+        """String: a text completions episode's prompt and completions so far (a later call's
+        prompt extends it)."""
+        return f"{self.episode(session_id)}:text"
+
+    @property
+    def idle(self) -> str:
+        """Sorted set: episode id -> unix time its KV charge may be released (the broker does,
+        lua/episode_release.lua): the end of the running call's deadline, or the idle timeout
+        after the last call."""
+        return f"{self.prefix}idle"
+
+    @property
+    def episodes_admitted(self) -> str:
+        """Stream: episodes the broker admitted (sid, reserved), read by every gateway (no
+        group) to wake the call waiting for it; gateways trim it by age."""
+        return f"{self.prefix}episodes:admitted"
+
     # -- ledger, backends, heartbeats -----------------------------------------------------------
     def ledger(self, backend_id: str) -> str:
         """Hash: capacity, max_model_len, alpha, reserved (total), w:<workload> (per workload)."""

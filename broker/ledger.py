@@ -6,6 +6,9 @@ Fields of `rb:{ns}:ledger:<b>` (a hash), who writes them, and what they mean:
 - `max_model_len` the engine's context limit; written at registration.
 - `vocab_size`    the engine's vocabulary (token ids must be below it); written at registration
                   when the worker knows it.
+- `engine_url`, `model`  where the backend's engine answers vLLM's HTTP API for the session
+                  gateway (the worker's `--advertise-url`, by default its engine's URL) and the
+                  model it serves; written at registration.
 - `alpha`         α_b: reservations may reach α_b·C_b; set to 1.0 at first registration, then
                   written only by the active broker from `Decision.alpha`.
 - `reserved`      Σ of the per-session reservations in `ledger:<b>:sessions`; changed only by the
@@ -101,7 +104,8 @@ class Ledger:
         self._keys = keys
 
     def register_backend(self, backend_id: str, capacity_tokens: int, max_model_len: int,
-                         vocab_size: int | None = None) -> None:
+                         vocab_size: int | None = None, engine_url: str | None = None,
+                         model: str | None = None) -> None:
         """Create or update a backend's ledger, index it, and make its admitted stream's group."""
         check_backend_id(backend_id)
         if capacity_tokens <= 0:
@@ -117,6 +121,11 @@ class Ledger:
             fields["vocab_size"] = vocab_size
         else:
             pipe.hdel(k.ledger(backend_id), "vocab_size")
+        for name, value in (("engine_url", engine_url), ("model", model)):
+            if value:
+                fields[name] = value
+            else:
+                pipe.hdel(k.ledger(backend_id), name)
         pipe.hset(k.ledger(backend_id), mapping=fields)
         pipe.hsetnx(k.ledger(backend_id), "alpha", 1.0)
         pipe.hsetnx(k.ledger(backend_id), "reserved", 0)

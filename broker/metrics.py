@@ -26,6 +26,9 @@ ACTIVE = Gauge("rb_broker_active", "1 while this broker holds the lease (active)
                ["policy"], registry=REGISTRY)
 REQUEUED = Counter("rb_broker_requeued_sessions",
                    "sessions the broker took back from a backend", ["reason"], registry=REGISTRY)
+EPISODES_RELEASED = Counter("rb_broker_episodes_released",
+                            "agent-driven episodes whose KV charge the broker released after "
+                            "their agent idled", registry=REGISTRY)
 
 # -- workers -------------------------------------------------------------------------------------
 SESSIONS = Counter("rb_worker_sessions", "sessions a worker finished and published",

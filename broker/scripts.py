@@ -17,7 +17,8 @@ from redis.commands.core import Script
 SCRIPT_NAMES = (
     "enqueue", "admit", "finish", "mark_running", "heartbeat", "requeue", "cancel", "recharge",
     "lease_renew", "lease_release", "dead_letter", "ack_results", "weights", "expire",
-    "checkpoint",
+    "checkpoint", "episode_open", "episode_request", "episode_begin", "episode_commit",
+    "episode_release",
 )
 
 
@@ -51,6 +52,11 @@ class Scripts:
     weights: Script
     expire: Script
     checkpoint: Script
+    episode_open: Script
+    episode_request: Script
+    episode_begin: Script
+    episode_commit: Script
+    episode_release: Script
 
     def __init__(self, client: redis.Redis) -> None:
         for name in SCRIPT_NAMES:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from itertools import chain, islice
 
 from broker.decision import LedgerEntry, apply_decision, touched_backends
+from broker.episodes import due_releases
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
 from broker.keys import BROKER_GROUP, Keys
 from broker import metrics
@@ -89,6 +90,7 @@ class BrokerSettings:
     reap_grace_s: float = DEFAULT_HEARTBEAT_TTL_S  # watch a missing heartbeat this long first
     orphan_after_s: float = 15.0  # running, yet missing from its backend's beats this long
     orphan_check_s: float = 5.0  # how often to look for such sessions
+    idle_check_s: float = 0.5  # how often to release the charge of episodes idle past their time
 
 
 @dataclass(slots=True)
@@ -128,6 +130,7 @@ class BrokerService:
         self._backend_ids: tuple[str, ...] = ()
         self._watch_since = time.monotonic()  # since when this term has seen Redis answer
         self._orphans_checked = time.monotonic()
+        self._idle_checked = 0.0
         # Staleness and fit are checked once per held entry and rule: on entries held since the
         # last check, and on all of them when the version served, the bound or the live
         # fleet's limits change (`_expire_unrunnable`).
@@ -409,10 +412,37 @@ class BrokerService:
                                      f"backend {b}: heartbeat gone (worker or engine down)",
                                      only_if_dead=True):
                     return False
+        if now - self._idle_checked >= self.settings.idle_check_s:
+            self._idle_checked = now
+            if not self._release_idle():
+                return False
         if now - self._orphans_checked >= self.settings.orphan_check_s:
             self._orphans_checked = now
             self._adopt_stranded()
             return self._requeue_orphans(fleet)
+        return True
+
+    def _release_idle(self) -> bool:
+        """Release the KV charge of agent-driven episodes (broker/episodes.py) whose agent has
+        made no call for the idle timeout, or whose call outlived its deadline (its gateway
+        died): they are parked, and their next call is admitted again. False when the lease
+        was lost."""
+        k, now = self.keys, time.time()
+        due = self._runner.run(due_releases(k, now))
+        for sid, b in due:
+            if b is None:  # no longer placed: the script drops its idle entry
+                b = ""
+            reply = as_text(self._scripts.episode_release(
+                keys=[k.lease, k.session(sid), k.ledger(b) if b else k.mixture,
+                      k.ledger_sessions(b) if b else k.mixture, k.idle, k.events],
+                args=[self.lease.token, sid, b, repr(now)]))
+            if reply == "lease":
+                return False
+            if reply == "released":
+                self._touched.add(b)
+                metrics.EPISODES_RELEASED.inc()
+                log.info("episode %s: no call for its idle timeout; KV charge released on %s",
+                         sid, b)
         return True
 
     def _requeue_orphans(self, fleet: FleetRead) -> bool:
@@ -432,9 +462,11 @@ class BrokerService:
                 continue
             pipe = self._client.pipeline(transaction=False)
             for sid in unlisted:
-                pipe.hmget(self.keys.session(sid), "state", "running_at")
-            lost = [sid for sid, (state, running_at) in zip(unlisted, pipe.execute())
-                    if state == b"running" and running_at is not None
+                pipe.hmget(self.keys.session(sid), "state", "running_at", "driver")
+            # An agent's episode is run by its calls, not by the worker (its idle timeout
+            # releases it: _release_idle).
+            lost = [sid for sid, (state, running_at, driver) in zip(unlisted, pipe.execute())
+                    if state == b"running" and running_at is not None and driver != b"agent"
                     and float(running_at) < hb.sent_at - cutoff]
             if lost:
                 log.error("backend %s: %d sessions running there are not in its heartbeats "
@@ -613,10 +645,13 @@ class BrokerService:
                 continue
             queue, held = found
             b = adm.backend_id
+            # An agent's episode is announced to the gateways, not handed to the worker.
+            handoff = k.episodes_admitted if held.entry.session.driver == "agent" else \
+                k.admitted(b)
             calls.append(ScriptCall(
                 "admit",
                 [k.lease, k.session(adm.session_id), k.ledger(b), k.ledger_sessions(b),
-                 k.heartbeat(b), k.admitted(b), held.entry.stream],
+                 k.heartbeat(b), handoff, held.entry.stream],
                 [token, adm.session_id, b, int(adm.reserved_tokens), held.entry.entry_id,
                  repr(now), "1" if enforce else "0"]))
             placed.append((queue, held, b))

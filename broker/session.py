@@ -46,6 +46,9 @@ class SessionState(StrEnum):
     failed = "failed"  # gave up (engine errors, tool errors); a result with the reason was published
     cancelled = "cancelled"  # the trainer cancelled it before it finished
     dead_lettered = "dead_lettered"  # its queue entry could not be read; moved to the dead-letter stream
+    # An episode the agent drives (gateway/) that holds no KV: opened and not yet called, or
+    # released after its agent idled; its next call asks for admission again.
+    parked = "parked"
 
 
 TERMINAL_STATES = frozenset({SessionState.done, SessionState.failed, SessionState.cancelled,
@@ -130,6 +133,9 @@ class Session(BaseModel):
     """One rollout: a single-turn completion (rlvr, rlhf) or a multi-turn agentic episode.
 
     `max_tokens` caps each turn's output; `max_turns` caps an agentic episode (1 = single turn).
+    `driver` says who runs the turns: a worker (`"worker"`, with the registered tool between
+    them), or the agent's own code calling the session gateway (`"agent"`: an episode opened
+    with `RolloutClient.open_episode`; broker/episodes.py), which needs no tool.
     Sessions sharing a `group_id` are one GRPO group (same prompt, n samples).
     `metadata.tool` and `metadata.reward` name the session's tool and reward scorer by their
     key in the operator's registry (`workers/tools.py`); a multi-turn session must name a tool,
@@ -159,6 +165,7 @@ class Session(BaseModel):
     metadata: dict[str, MetadataValue] = Field(default_factory=dict)
     # Set by a worker that drained while the session ran (workers/runner.py): go on from it.
     resume_from: PartialRollout | None = None
+    driver: Literal["worker", "agent"] = "worker"
 
     @field_validator("session_id", "group_id")
     @classmethod
@@ -208,7 +215,7 @@ class Session(BaseModel):
             raise ValueError(
                 "prompt: give exactly one non-empty prompt_token_ids or prompt_text"
             )
-        if self.max_turns > 1 and "tool" not in self.metadata:
+        if self.max_turns > 1 and self.driver == "worker" and "tool" not in self.metadata:
             raise ValueError(f"metadata.tool: a session of max_turns {self.max_turns} needs a "
                              "tool for the observations between its turns; name one")
         return self

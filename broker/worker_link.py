@@ -99,8 +99,12 @@ class WorkerLink:
         self._client.close()
 
     def register(self, capacity_tokens: int, max_model_len: int,
-                 vocab_size: int | None = None) -> None:
-        self._ledger.register_backend(self.backend_id, capacity_tokens, max_model_len, vocab_size)
+                 vocab_size: int | None = None, engine_url: str | None = None,
+                 model: str | None = None) -> None:
+        """`engine_url` and `model`: where the session gateway reaches this backend's engine
+        (vLLM's HTTP API) and the model it serves."""
+        self._ledger.register_backend(self.backend_id, capacity_tokens, max_model_len, vocab_size,
+                                      engine_url, model)
         self._cursor.reset()
 
     def heartbeat(self, metrics: EngineMetrics, progress: Sequence[SessionProgress] = (),

@@ -251,6 +251,7 @@ def worker(
         help="package.module:function that loads a policy version's weights into the engine, called with a WeightUpdate while the engine is paused, before it resumes on a new version (and at start when the namespace serves one); without it a resume only records the version",
         envvar="RB_WEIGHTS_HOOK")] = None,
     metrics_port: Annotated[int, typer.Option(help="serve this process's Prometheus metrics on this port (0: off)", envvar="RB_METRICS_PORT")] = 0,
+    advertise_url: Annotated[Optional[str], typer.Option(help="the engine's URL as session gateways reach it (default: the engine URL this worker uses)", envvar="RB_ADVERTISE_URL")] = None,
     log_level: Annotated[str, typer.Option(help="logging level", envvar="RB_LOG_LEVEL")] = "INFO",
 ) -> None:
     """Run admitted sessions on one engine (attached, or started as a child) until SIGTERM."""
@@ -266,7 +267,7 @@ def worker(
     settings = WorkerSettings(
         backend_id=backend_id, redis_url=redis_url, namespace=namespace, heartbeat_s=heartbeat_s,
         heartbeat_ttl_s=heartbeat_ttl, drain_grace_s=drain_grace,
-        engine_down_after_s=engine_down_after, vocab_size=vocab_size,
+        engine_down_after_s=engine_down_after, vocab_size=vocab_size, advertise_url=advertise_url,
         runner=RunnerSettings(request_timeout_s=request_timeout, retries=engine_retries))
     try:
         _check_port("metrics_port", metrics_port)

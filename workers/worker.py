@@ -114,6 +114,9 @@ class WorkerSettings:
     health_timeout_s: float = 5.0
     vocab_size: int | None = None  # token ids must be below it; default: what the engine says
     max_connections: int = 1024  # HTTP connections to the engine (one per running turn)
+    # The engine's URL as the session gateway reaches it (default: the URL this worker uses,
+    # right when they share a host or a network namespace).
+    advertise_url: str | None = None
     runner: RunnerSettings = field(default_factory=RunnerSettings)
 
 
@@ -353,7 +356,8 @@ class Worker:
         assert self.info is not None
         vocab = self.settings.vocab_size or self.info.vocab_size
         await self._redis_until_ok(self.link.register, self.info.capacity_tokens,
-                                   self.info.max_model_len, vocab)
+                                   self.info.max_model_len, vocab,
+                                   self.settings.advertise_url or self.engine_url, self.info.model)
         self._registered.set()
         log.info("worker %s: registered, capacity %d tokens, max_model_len %d, vocabulary %s",
                  self.settings.backend_id, self.info.capacity_tokens, self.info.max_model_len,

@@ -20,9 +20,9 @@ end
 if state == 'done' or state == 'failed' or state == 'cancelled' or state == 'dead_lettered' then
   return state
 end
-if state == 'pending' then
+if state == 'pending' or state == 'parked' then  -- parked: an agent's episode holding no KV
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_at', ARGV[3])
-  retire(KEYS[1], KEYS[8], KEYS[7], false)
+  retire(KEYS[1], KEYS[8], KEYS[7], state == 'parked')
   redis.call('XADD', KEYS[5], 'MAXLEN', '~', '10000', '*', 'kind', 'cancel', 'backend', '')
   return 'cancelled'
 end

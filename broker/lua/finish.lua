@@ -25,17 +25,24 @@
 -- amount) in the same step. A refused finish counts in stats field 'stale_finishes'. On 'ok'
 -- the session is retired (lib.lua): its body goes, its hash expires after the retention window;
 -- a finish after that finds no state and is refused as 'stale'.
+-- An episode the agent drives (session field driver = 'agent', closed by the trainer) may end
+-- holding no KV: 'parked' (its charge released while the agent idled), or 'pending' waiting
+-- for a call's admission (its queue entry stays for the broker, whose admit acks it as
+-- 'not_pending', so its body is kept until the hash expires, as cancel.lua keeps it).
 if ARGV[3] ~= 'done' and ARGV[3] ~= 'failed' then
   return redis.error_reply('finish: status must be done or failed')
 end
 local st = redis.call('HMGET', KEYS[1], 'state', 'backend', 'workload', 'admitted_entry',
-  'requeued_from', 'pending_entry', 'enqueued_at')
+  'requeued_from', 'pending_entry', 'enqueued_at', 'driver')
 local state = st[1]
 if state == 'done' or state == 'failed' or state == 'cancelled' or state == 'dead_lettered' then
   return 'duplicate'
 end
 local sid, workload = ARGV[1], st[3]
-if state == 'pending' and st[5] == ARGV[2] then
+local keep_body = false
+if st[8] == 'agent' and (state == 'parked' or (state == 'pending' and ARGV[2] == '')) then
+  keep_body = state == 'pending'
+elseif state == 'pending' and st[5] == ARGV[2] then
   if st[6] then
     redis.call('XACK', KEYS[8], 'broker', st[6])
     redis.call('XDEL', KEYS[8], st[6])
@@ -58,7 +65,7 @@ redis.call('XADD', KEYS[5], '*', 'sid', sid, 'workload', workload, 'status', ARG
   'result', ARGV[4], 'stats', ARGV[5])
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'finished_at', ARGV[6])
 redis.call('HDEL', KEYS[1], 'checkpoint')
-retire(KEYS[1], KEYS[11], KEYS[10], true)
+retire(KEYS[1], KEYS[11], KEYS[10], not keep_body)
 redis.call('HINCRBYFLOAT', KEYS[7], workload, ARGV[7])
 redis.call('HINCRBY', KEYS[7], 'n:' .. workload, 1)
 redis.call('HINCRBY', KEYS[7], 'tok:' .. workload, ARGV[8])
