@@ -407,5 +407,56 @@ def api(
         raise _usage_error("api", exc) from None
 
 
+@command("gateway")
+def gateway(
+    host: Annotated[str, typer.Option(help="address to bind; non-loopback needs --token", envvar="RB_GATEWAY_HOST")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port", envvar="RB_GATEWAY_PORT")] = 8100,
+    public_url: Annotated[Optional[str], typer.Option(help="the URL agents reach this gateway at, for the base URLs it hands out (default http://HOST:PORT)", envvar="RB_GATEWAY_URL")] = None,
+    redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = DEFAULT_REDIS_URL,
+    namespace: Annotated[str, typer.Option(help="key namespace (one RL job)", envvar="RB_NAMESPACE")] = "default",
+    token: Annotated[Optional[str], typer.Option(
+        help="bearer token the trainer's endpoints (/v1/episodes, /v1/results) require", envvar="RB_GATEWAY_TOKEN")] = None,
+    admission_timeout: Annotated[float, typer.Option(help="seconds a call waits to be admitted before a 429")] = 30.0,
+    call_timeout: Annotated[float, typer.Option(help="seconds one engine request may take")] = 600.0,
+    tokenizer: Annotated[str, typer.Option(help="where the chat template comes from: engine (each engine's /tokenize), sim (the simulated engines'), or a Hugging Face tokenizer name or path (rendered in the gateway)", envvar="RB_GATEWAY_TOKENIZER")] = "engine",
+    log_level: Annotated[str, typer.Option(help="logging level", envvar="RB_LOG_LEVEL")] = "INFO",
+) -> None:
+    """Serve the session gateway: an OpenAI-compatible API root per episode for agents that
+    drive their own turns (docs/gateway.md)."""
+    import logging
+
+    from broker.redis_conn import check_redis_url
+    from gateway.app import serve
+    from gateway.service import GatewaySettings
+    from workers.runner import RunnerSettings
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    try:
+        _check_port("port", port)
+        if host not in ("127.0.0.1", "localhost", "::1") and not token:
+            raise ValueError(f"token: binding {host} (not loopback) needs --token for the "
+                             "trainer's endpoints")
+        for name, value in (("admission_timeout", admission_timeout), ("call_timeout", call_timeout)):
+            if not value > 0:
+                raise ValueError(f"{name}: must be a positive number of seconds, not {value}")
+        check_redis_url(redis_url)
+        if tokenizer not in ("engine", "sim"):
+            try:
+                from transformers import AutoTokenizer
+                AutoTokenizer.from_pretrained(tokenizer)
+            except Exception as exc:  # noqa: BLE001 - any failure to load is the option's
+                raise ValueError(f"tokenizer: cannot load {tokenizer!r}: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        settings = GatewaySettings(redis_url=redis_url, namespace=namespace,
+                                   admission_timeout_s=admission_timeout,
+                                   call_timeout_s=call_timeout, token=token or None,
+                                   tokenizer=tokenizer,
+                                   runner=RunnerSettings(request_timeout_s=call_timeout))
+    except ValueError as exc:
+        raise _usage_error("gateway", exc) from None
+    serve(settings, host=host, port=port, public_url=public_url)
+
+
 if __name__ == "__main__":
     app()

@@ -1,6 +1,7 @@
 """The packages are floors: an import may only go down. `broker/` (sessions, policies, the
 broker, the trainer's client) imports none of the others; `sim/` and `api/` import only
-`broker/`; `workers/` imports `broker/` and `sim/`; `rollout_broker/` (the CLI and the demo,
+`broker/`; `workers/` imports `broker/` and `sim/`; `gateway/` (the session gateway, which
+runs turns as a worker does) imports those; `rollout_broker/` (the CLI and the demo,
 which wire processes together) may import any of them, and nothing in them imports it."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOOR = {"broker": 0, "sim": 1, "api": 1, "workers": 2, "rollout_broker": 3}
+FLOOR = {"broker": 0, "sim": 1, "api": 1, "workers": 2, "gateway": 3, "rollout_broker": 4}
 
 
 def imports_of(path: Path) -> list[tuple[int, str]]:

@@ -304,7 +304,7 @@ class _Episode:
 
 class SessionRunner:
     def __init__(self, http: httpx.AsyncClient, engine_url: str, model: str, max_model_len: int,
-                 tools: ToolExecutor, settings: RunnerSettings | None = None,
+                 tools: ToolExecutor | None, settings: RunnerSettings | None = None,
                  vocab_size: int | None = None, weights: EngineWeights | None = None) -> None:
         self.weights = weights or EngineWeights()
         self.http = http
@@ -317,16 +317,18 @@ class SessionRunner:
         self._said_no_cached_tokens = False
 
     async def generate_turn(self, session: Session, prompt: list[int], turn: int,
-                            max_tokens: int, done: int = 0) -> tuple[Turn, list[_Span]]:
+                            max_tokens: int, done: int = 0, text: bool | None = None
+                            ) -> tuple[Turn, list[_Span]]:
         """One turn, whole even across a weight update: a request the engine aborts for a
         pause (`mode=abort`) keeps what it generated, and the turn goes on after the resume
         from prompt + that partial output, on the new weights (a partial rollout); a request
         a `keep` pause froze is split where the engine's weights label changed. Returns the
         turn and its spans, each with the policy version that generated it. `done`: tokens of
-        the turn generated before (on another worker, which drained), already in `prompt`."""
+        the turn generated before (on another worker, which drained), already in `prompt`.
+        `text`: ask for the output's text too (default: when the session's tools read it)."""
         spans: list[_Span] = []
         parts: list[Turn] = []
-        text = wants_text(session)
+        text = wants_text(session) if text is None else text
         first_prompt = prompt
         while True:
             await self.weights.resumed()  # no new request while paused: it waits for the version
@@ -383,8 +385,16 @@ class SessionRunner:
         if s.seed is not None:
             params["seed"] = s.seed + turn
         sim_len = _sim_output_len(session, turn)
+        extra: dict = {}
         if sim_len is not None:
-            params["extra_args"] = {"sim_output_len": max(1, min(sim_len - done, max_tokens))}
+            extra["sim_output_len"] = max(1, min(sim_len - done, max_tokens))
+        sim_turns = session.metadata.get("sim_turns")
+        if session.driver == "agent" and isinstance(sim_turns, int):
+            # A simulated agent's episode: the simulated model calls a tool on every turn but
+            # its true last one (the sim engine's hint, as `sim_output_len` is its length).
+            extra["sim_tool_call"] = turn < sim_turns - 1
+        if extra:
+            params["extra_args"] = extra
         body = {"model": self.model, "token_ids": prompt, "request_id": request_id,
                 "output_mode": "text" if text else "tokens", "sampling_params": params}
         started_on = self.weights.version_for(session)
@@ -528,6 +538,7 @@ class SessionRunner:
         session, history = ep.session, ep.history
         ep.progress.waiting_on_tool = True
         t0 = time.monotonic()
+        assert self.tools is not None, "a runner without tools only generates (the gateway's)"
         outcome = await self.tools.call_tool(ToolCall(
             session_id=session.session_id, workload=session.workload,
             tool=session.tool or "", turn=turn,
@@ -555,6 +566,7 @@ class SessionRunner:
         trajectory = SessionResult(session_id=session.session_id,
                                    workload=session.workload, status=SessionState.done,
                                    turn_records=ep.records).trajectory()
+        assert self.tools is not None, "a runner without tools only generates (the gateway's)"
         return await self.tools.score(RewardCall(
             session_id=session.session_id, workload=session.workload,
             scorer=session.reward,
