@@ -25,9 +25,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from redis.exceptions import RedisError
 
 from broker.client import AsyncRolloutClient
-from broker.episodes import episode_base_url
+from broker.redis_conn import is_outage
 from gateway.service import ChatCall, CompletionCall, Gateway, GatewayError, GatewaySettings
 
 log = logging.getLogger("rollout_broker.gateway")
@@ -140,6 +141,13 @@ def create_app(settings: GatewaySettings, public_url: str = "") -> FastAPI:
         err = exc.errors()[0]
         where = _field(err.get("loc", ()))
         return _error(GatewayError(400, f"{where}: {err.get('msg', 'invalid')}", param=where))
+
+    @app.exception_handler(RedisError)
+    async def redis_error(request: Request, exc: RedisError) -> JSONResponse:
+        if not is_outage(exc):
+            raise exc
+        return _error(GatewayError(503, f"redis: {type(exc).__name__}", code="redis_unavailable",
+                                   retry_after_s=settings.retry_after_s))
 
     @app.exception_handler(ValueError)
     async def value_error(request: Request, exc: ValueError) -> JSONResponse:
