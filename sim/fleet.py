@@ -12,6 +12,17 @@ Dispatch: a policy with `dispatch_on_arrival` (an HTTP router) places every requ
 agentic turn too — as it arrives, and the engine queues it. A broker policy places whole
 sessions when it chooses to; the session's later turns run on the same backend.
 
+Agent-driven workloads (`driver: agent`): the user's agent calls the gateway once per turn and
+works for the truth's `tool_latency_s` between calls. No worker runs such an episode, so no
+heartbeat reports its progress: the policy sees it as the live broker's snapshot does
+(broker/snapshot.py without worker progress), as admitted — context its admitted prompt,
+nothing generated, turn 0, never `waiting_on_tool`, `max_turns` the calls it had left. A gap
+longer than `idle_timeout_s` parks the episode (its ledger charge is released when the timeout
+expires) and its next call goes back to the front of its workload's queue, with the whole
+history as its prompt and its original enqueue time, to be admitted again on any backend, as
+broker/episodes.py queues it. Routers release every turn anyway: for them the driver changes
+nothing.
+
 The event loop takes, at each iteration, the earliest of: an engine's next segment end
 (`EngineCore.next_event_time`), a tool return, a reward/test completion, a heartbeat. The
 policy is asked after every batch of events at one instant that changed what it could decide.
@@ -67,6 +78,7 @@ from sim.workloads.truth import SimSession
 
 # Event kinds, in the order they are handled at one instant.
 _RESULT, _TOOL_RETURN, _HEARTBEAT, _TELEMETRY, _ARRIVAL, _TRAINED, _RESUME = 0, 1, 2, 3, 4, 5, 6
+_PARK = 7  # an agent-driven episode's idle timeout
 
 
 class SimulationError(RuntimeError):
@@ -92,7 +104,12 @@ class _Live:
     request: EngineRequest | None = None  # the turn on an engine now
     prompt_len: int = 0  # this turn's prompt length
     parked_context: int = 0  # tokens of history in KV after the last finished turn
-    waiting_on_tool: bool = False
+    waiting_on_tool: bool = False  # between turns (agent-driven: between calls)
+    parked: bool = False  # agent-driven, idle past the timeout: released until its next call
+    # Its latest admission: prompt tokens, calls it had left, when (an agent-driven view).
+    placed_prompt: int = 0
+    placed_turns: int = 0
+    placed_at: float = 0.0
     tool_wait_s: float = 0.0
     kv_turns: list[tuple[int, int, float]] = field(default_factory=list)  # see kv_token_seconds
     kv_waits: list[tuple[int, float]] = field(default_factory=list)
@@ -120,6 +137,7 @@ class FleetResult:
     completed: bool  # every trainer iteration finished before a limit cut the run
     sim_time_s: float
     decide_calls: int
+    parked: int = 0  # agent-driven episodes released after idle_timeout_s between calls
 
 
 class FleetSim:
@@ -177,6 +195,12 @@ class FleetSim:
         self._arrival_at: float | None = None  # when the scheduled trace-arrival event fires
         self.decide_calls = 0
         self.weight_update = scenario.trainer.weight_update
+        # Agent-driven workloads and their idle timeouts (sim.scenario.AgenticSpec.driver).
+        self.idle_timeout_s: dict[str, float] = {
+            w: t for w, spec in scenario.workloads.items()
+            if (t := getattr(spec, "parking_timeout_s", None)) is not None}
+        self.parked = 0  # episodes parked so far
+        self._agent_view: set[str] = set()  # agent-driven workloads under a broker policy (_run)
         self._pause: _Pause | None = None
         # The trainer (weight updates only): batches it has not trained on yet, batches
         # trained, and whether it is busy (training, or pushing weights to the engines).
@@ -226,6 +250,8 @@ class FleetSim:
     def _run(self) -> FleetResult:
         limits = self.scenario.limits
         wall0 = time.monotonic()
+        if not self.policy.dispatch_on_arrival:
+            self._agent_view = set(self.idle_timeout_s)
         self._enqueue_from_trainer()
         self._heartbeat()
         self._schedule(self.heartbeat_s, _HEARTBEAT, "")
@@ -267,6 +293,8 @@ class FleetSim:
                     self._on_trained()
                 elif kind == _RESUME:
                     self._resume()
+                elif kind == _PARK:
+                    self._on_idle_timeout(self.live[sid])
                 else:
                     self._on_result(self.live.pop(sid))
             if self._pause is not None and self._pause.paused_at is None:
@@ -328,19 +356,28 @@ class FleetSim:
             self._arrival_at = nxt
             self._schedule(max(nxt, self.now), _ARRIVAL, "")
 
-    def _make_pending(self, live: _Live) -> None:
+    def _make_pending(self, live: _Live, requeue: bool = False) -> None:
         """A session (or, for a router, a follow-up turn) the policy may place. A broker sees
         a session a pause stopped as new, as the live broker sees a requeued partial rollout:
-        its prompt is the conversation so far, and it may go to any backend."""
+        its prompt is the conversation so far, and it may go to any backend. `requeue` (a
+        parked agent-driven episode's next call): at the front of its workload's queue with its
+        original enqueue time, the calls it has left as its turns, as broker/episodes.py queues
+        it (requeue.lua keeps the enqueue time)."""
         s = live.sim.session
         prompt = live.history
         turn = live.turn if self.policy.dispatch_on_arrival else 0
-        self.pending[s.workload].append(PendingItem(
+        item = PendingItem(
             session_id=s.session_id, workload=s.workload, group_id=s.group_id,
             group_size=s.group_size, prompt_tokens=len(prompt), prefix=tuple(prompt),
-            max_tokens=s.max_tokens - len(live.partial), max_turns=s.max_turns, turn=turn,
-            home_backend=live.backend if turn else None, enqueued_at=self.now,
-        ))
+            max_tokens=s.max_tokens - len(live.partial),
+            max_turns=max(1, s.max_turns - live.turn) if requeue else s.max_turns, turn=turn,
+            home_backend=live.backend if turn else None,
+            enqueued_at=live.enqueued_at if requeue else self.now,
+        )
+        if requeue:
+            self.pending[s.workload].appendleft(item)
+        else:
+            self.pending[s.workload].append(item)
         self._pending_ids.add(s.session_id)
         self._dirty = True
 
@@ -422,6 +459,9 @@ class FleetSim:
                 live.admitted_at = self.now
             live.backend = adm.backend_id
             live.reserved = adm.reserved_tokens
+            live.placed_prompt = len(live.history)
+            live.placed_turns = max(1, live.sim.session.max_turns - live.turn)
+            live.placed_at = self.now
             self._submit_turn(live)
         for w, ids in admitted.items():
             self.pending[w] = deque(p for p in self.pending[w] if p.session_id not in ids)
@@ -501,6 +541,10 @@ class FleetSim:
             self._schedule(self.now + wait, _TOOL_RETURN, live.sim.session_id)
             if self.policy.dispatch_on_arrival:
                 self._release(live)  # a router forgets a request once it is answered
+            else:
+                timeout = self.idle_timeout_s.get(live.sim.workload)
+                if timeout is not None and wait > timeout:  # no call within the timeout
+                    self._schedule(self.now + timeout, _PARK, live.sim.session_id)
             return
         self._release(live)
         self.completions.append(Completion(
@@ -613,8 +657,21 @@ class FleetSim:
     def _on_tool_return(self, live: _Live) -> None:
         if self.policy.dispatch_on_arrival:
             self._make_pending(live)  # the router sees the next turn as a new request
+        elif live.parked:
+            live.parked = live.waiting_on_tool = False  # its next call: admitted again
+            self._make_pending(live, requeue=True)
         else:
-            self._submit_turn(live)  # the worker runs the next turn on its own engine
+            self._submit_turn(live)  # the worker (or the gateway) runs it on the same engine
+
+    def _on_idle_timeout(self, live: _Live) -> None:
+        """An agent-driven episode made no call for `idle_timeout_s`: the gateway parks it and
+        the ledger releases its charge (the engine's prefix cache keeps what it keeps)."""
+        if live.request is not None or not live.waiting_on_tool or live.parked:
+            return  # its call came at this very instant
+        live.parked = True
+        live.reserved = 0
+        self.parked += 1
+        self._release(live)
 
     def _on_result(self, live: _Live) -> None:
         sim = live.sim
@@ -635,17 +692,27 @@ class FleetSim:
         at once (the ledger), and its progress from the next heartbeat delivered after this."""
         s = live.sim.session
         req = live.request
-        out_now = req.num_output_tokens if req is not None else 0
-        done_out = live.generated
-        now = self._progress[live.backend][s.session_id] = ResidentSession(
-            session_id=s.session_id, workload=s.workload, group_id=s.group_id,
-            reserved_tokens=live.reserved, prompt_tokens=len(s.prompt_token_ids),
-            context_tokens=live.prompt_len + out_now if req is not None else live.parked_context,
-            generated_tokens=done_out + len(live.partial) + out_now,
-            turn=live.turn + (1 if req is not None else 0), max_tokens=s.max_tokens,
-            max_turns=s.max_turns, waiting_on_tool=live.waiting_on_tool,
-            admitted_at=live.admitted_at if live.admitted_at is not None else self.now,
-        )
+        if s.workload in self._agent_view:
+            # No worker reports an agent-driven episode: the ledger's charge, and the rest as
+            # at its admission (broker/snapshot.py, a resident session without progress).
+            n = live.placed_prompt
+            now = self._progress[live.backend][s.session_id] = ResidentSession(
+                session_id=s.session_id, workload=s.workload, group_id=s.group_id,
+                reserved_tokens=live.reserved, prompt_tokens=n, context_tokens=n,
+                generated_tokens=0, turn=0, max_tokens=s.max_tokens, max_turns=live.placed_turns,
+                waiting_on_tool=False, admitted_at=live.placed_at,
+            )
+        else:
+            out_now = req.num_output_tokens if req is not None else 0
+            now = self._progress[live.backend][s.session_id] = ResidentSession(
+                session_id=s.session_id, workload=s.workload, group_id=s.group_id,
+                reserved_tokens=live.reserved, prompt_tokens=len(s.prompt_token_ids),
+                context_tokens=live.prompt_len + out_now if req is not None else live.parked_context,
+                generated_tokens=live.generated + len(live.partial) + out_now,
+                turn=live.turn + (1 if req is not None else 0), max_tokens=s.max_tokens,
+                max_turns=s.max_turns, waiting_on_tool=live.waiting_on_tool,
+                admitted_at=live.admitted_at if live.admitted_at is not None else self.now,
+            )
         seen = self.resident[live.backend]
         if self.lag_s == 0 or s.session_id not in seen:
             seen[s.session_id] = now
@@ -679,6 +746,8 @@ class FleetSim:
             truth = self._progress[b]
             for req in engine.scheduler.running:
                 session = self.by_request[req.request_id]
+                if session.sim.workload in self._agent_view:
+                    continue  # no worker runs it: nothing to report
                 rs = truth.get(session.sim.session_id)
                 if rs is None or req.num_output_tokens + session.generated != rs.generated_tokens:
                     self._update_resident(session)
@@ -730,4 +799,5 @@ class FleetSim:
             policy=self.policy.name, metrics=metrics, iterations=list(iterations),
             sessions=list(self.records), kv_samples=self.kv_samples, engines=engines,
             completed=self.trainer.done, sim_time_s=self.now, decide_calls=self.decide_calls,
+            parked=self.parked,
         )

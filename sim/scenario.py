@@ -65,6 +65,11 @@ DEFAULT_TOOL_LATENCY = LogNormalMixture(
 )
 
 
+# The live gateway's idle timeout (its `idle_timeout_s` default): an agent-driven episode with
+# no call for this long gives its KV reservation back.
+DEFAULT_IDLE_TIMEOUT_S = 30.0
+
+
 class _WorkloadBase(BaseModel):
     model_config = _STRICT
 
@@ -73,6 +78,16 @@ class _WorkloadBase(BaseModel):
     temperature: Annotated[float, Field(ge=0.0, le=10.0)] = 1.0
     # Reward / verifier time after the last turn, seconds; None = instantaneous.
     final_latency: LogNormal | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _driver_is_multi_turn(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "driver" not in cls.model_fields:
+            for key in ("driver", "idle_timeout_s"):
+                if key in data:
+                    raise ValueError(f"{key}: only a multi-turn (agentic) workload is driven by a "
+                                     "worker or an agent; a single-turn session is one call either way")
+        return data
 
 
 class RlvrSpec(_WorkloadBase):
@@ -123,12 +138,33 @@ class AgenticSpec(_WorkloadBase):
     output: LogNormal = LogNormal(median=300, sigma=1.0)
     # Observation LN(800, 1.3) cap 16K: p90 4.2K, p99 16K, fits appended-token bins [TL2].
     observation: LogNormal = LogNormal(median=800, sigma=1.3, cap=16_384)
+    # Seconds between turns: the tool call (worker-driven) or everything the agent does
+    # between two calls of the gateway (agent-driven; see scenarios/agent-driven.yaml).
     tool_latency: LogNormalMixture = DEFAULT_TOOL_LATENCY
     # Final test run LN(30 s, 1.0) cap 900 s (assumption within the 900 s test timeout of [X3]).
     final_latency: LogNormal | None = LogNormal(median=30.0, sigma=1.0, cap=900.0)
+    # Who runs the turns. worker: the broker's worker runs the episode and reports when a tool
+    # runs (waiting_on_tool). agent: the user's agent calls the OpenAI-compatible gateway once
+    # per turn; between calls the broker knows only that the episode is between calls, and an
+    # episode with no call for `idle_timeout_s` is parked: its ledger charge is released and
+    # its next call is admitted again (docs/misa-t.md, "Agent-driven episodes").
+    driver: Literal["worker", "agent"] = "worker"
+    # agent only; None: the live gateway's default, DEFAULT_IDLE_TIMEOUT_S.
+    idle_timeout_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+
+    @property
+    def parking_timeout_s(self) -> float | None:
+        """Seconds between calls after which an agent-driven episode is parked (None: never,
+        a worker-driven workload)."""
+        if self.driver != "agent":
+            return None
+        return self.idle_timeout_s if self.idle_timeout_s is not None else DEFAULT_IDLE_TIMEOUT_S
 
     @model_validator(mode="after")
     def _consistent(self) -> AgenticSpec:
+        if self.idle_timeout_s is not None and self.driver != "agent":
+            raise ValueError("idle_timeout_s: only an agent-driven workload (driver: agent) is "
+                             "parked between calls; a worker-driven one has no idle timeout")
         if self.min_turns > self.max_turns:
             raise ValueError(f"min_turns ({self.min_turns}) must be ≤ max_turns ({self.max_turns})")
         longest_first = self.system_prompt_tokens + int(self.task_prompt.cap or 0) + self.max_tokens
@@ -310,6 +346,10 @@ def _reason(err: dict[str, Any]) -> str:
         return "required field is missing"
     if kind == "union_tag_invalid":
         return f"kind must be one of {', '.join(WORKLOAD_KINDS)}"
+    if kind == "finite_number":
+        return "must be a finite number"
+    if kind == "literal_error":
+        return f"must be {ctx['expected']}"
     if kind == "union_tag_not_found":
         return f"needs a kind ({', '.join(WORKLOAD_KINDS)}) when the key is not one"
     msg = str(err["msg"])

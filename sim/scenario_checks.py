@@ -5,7 +5,9 @@ asks for. A warning is not an error (the scenario runs as generated), but a resu
 sessions other than the ones described must not pass unnoticed:
 - an agentic episode ends before a turn whose prompt + max_tokens passes
   `max_context_tokens`, so a long `turns` distribution may be cut well short;
-- a workload whose outputs hit `max_tokens` often is measuring the cap, not the distribution.
+- a workload whose outputs hit `max_tokens` often is measuring the cap, not the distribution;
+- an agent-driven workload none of whose gaps between calls outlasts `idle_timeout_s` never
+  parks an episode: it runs as a worker-driven one that hides `waiting_on_tool`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ def scenario_warnings(scenario: Scenario, scenario_path: str | Path,
                 out.append(f"workloads.{name}.turns: episodes get {got:.1f} turns on average, "
                            f"not the {asked:.1f} asked for: max_context_tokens "
                            f"({spec.max_context_tokens:,}) ends them first")
+            timeout = spec.parking_timeout_s
+            gaps = [g for s in mine for g in s.truth.tool_latency_s]
+            if timeout is not None and gaps and max(gaps) <= timeout:
+                out.append(f"workloads.{name}.idle_timeout_s: no gap between calls outlasts it "
+                           f"({timeout:g} s; the longest of {len(gaps):,} sampled is "
+                           f"{max(gaps):.1f} s), so no episode is ever parked")
         turns = [t for s in mine for t in s.truth.truncated]
         share = sum(turns) / len(turns)
         if share > TRUNCATION_WARN:
