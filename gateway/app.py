@@ -90,14 +90,19 @@ class EpisodeOpenReply(BaseModel):
 
 
 class EpisodeClose(BaseModel):
+    """The reward, or the registered scorer (`reward_name`, workers/tools.py) to compute it on
+    the episode's trajectory; neither: no reward."""
+
     model_config = ConfigDict(extra="forbid")
 
     reward: float | None = None
+    reward_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
 class EpisodeCloseReply(BaseModel):
     episode_id: str
     outcome: str  # 'ok', or the state it had ended in
+    reward: float | None = None
 
 
 def _error(exc: GatewayError) -> JSONResponse:
@@ -212,10 +217,16 @@ def create_app(settings: GatewaySettings, public_url: str = "") -> FastAPI:
     async def close_episode(episode_id: str, body: EpisodeClose,
                             request: Request) -> EpisodeCloseReply:
         trainer_only(request)
-        outcome = await results.close_episode(episode_id, body.reward)
+        if body.reward is not None and body.reward_name is not None:
+            raise GatewayError(400, "reward_name: give a reward or a reward_name, not both",
+                               param="reward_name")
+        reward = body.reward
+        if body.reward_name is not None:
+            reward = await gateway.score(episode_id, body.reward_name)
+        outcome = await results.close_episode(episode_id, reward)
         if outcome == "unknown":
             raise GatewayError(404, f"episode {episode_id!r} is not open", code="episode_not_found")
-        return EpisodeCloseReply(episode_id=episode_id, outcome=outcome)
+        return EpisodeCloseReply(episode_id=episode_id, outcome=outcome, reward=reward)
 
     @app.get("/v1/results")
     async def read_results(request: Request, count: int = 64, timeout: float = 10.0,

@@ -50,12 +50,13 @@ from broker.keys import Keys
 from broker.plans import AsyncRunner, Plan
 from broker.policies.base import kv_token_seconds
 from broker.redis_conn import Outage, connect_async, is_outage
-from broker.session import Session, TurnRecord
+from broker.session import Session, SessionResult, SessionState, TurnRecord
 from broker.streams import as_text
 from broker.tool_calls import parse_tool_calls, tool_call_id
 from broker.weights import read_state
 from gateway.render import ChatRenderer, EngineTemplate, HfTemplate, RenderError, SimTemplate
 from workers.runner import EngineError, EngineUnavailable, EngineWeights, RunnerSettings, SessionRunner
+from workers.tools import InlineExecutor, RewardCall, ToolError, load_registry
 
 log = logging.getLogger("rollout_broker.gateway")
 T = TypeVar("T")
@@ -94,6 +95,10 @@ class GatewaySettings:
     # Where the chat template comes from (gateway/render.py): "engine", "sim" or a Hugging Face
     # tokenizer name or path.
     tokenizer: str = "engine"
+    # The reward scorers a close may name (workers/tools.py: built-ins, entry points, this TOML
+    # file; default $RB_TOOL_CONFIG).
+    tool_config: str | None = None
+    reward_timeout_s: float = 60.0
     runner: RunnerSettings = field(default_factory=RunnerSettings)
 
 
@@ -163,6 +168,9 @@ class Gateway:
         self._specs: OrderedDict[str, Session] = OrderedDict()
         self._history: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
         self._waiters: dict[str, asyncio.Event] = {}
+        # The rewards a close may name (`score`); a bad --tool-config fails here, at start.
+        self._scorer = InlineExecutor(settings.reward_timeout_s,
+                                      load_registry(settings.tool_config))
         self._tasks: list[asyncio.Task] = []
         self.calls = 0  # calls answered
 
@@ -346,6 +354,28 @@ class Gateway:
         self._history.move_to_end(sid)
         while len(self._history) > 4096:
             self._history.popitem(last=False)
+
+    async def score(self, sid: str, scorer: str) -> float:
+        """The episode's reward from a registered scorer (workers/tools.py), on its whole
+        trajectory and each call's output text, as a worker scores a session."""
+        spec = await self.spec(sid)
+        view = await self.view(sid)
+        records = await self._redis_call(read_turns, self.keys, sid)
+        per_turn: dict[int, list[int]] = {}
+        for r in records:
+            per_turn.setdefault(r.turn, []).extend(r.output_token_ids)
+        outputs = [per_turn[t] for t in sorted(per_turn)]
+        engine = await (self._backend(view.backend) if view.backend else self._any_backend())
+        texts = [await engine.runner.detokenize(ids) for ids in outputs]
+        trajectory = SessionResult(session_id=sid, workload=spec.workload,
+                                   status=SessionState.done, turn_records=records).trajectory()
+        try:
+            return await self._scorer.score(RewardCall(
+                session_id=sid, workload=spec.workload, scorer=scorer, output_token_ids=outputs,
+                output_texts=texts, token_ids=trajectory.token_ids,
+                loss_mask=trajectory.loss_mask, metadata=dict(spec.metadata)))
+        except ToolError as exc:
+            raise GatewayError(400, f"reward_name: {exc}", param="reward_name") from exc
 
     # -- one call -------------------------------------------------------------------------------
     async def chat(self, sid: str, call: ChatCall) -> tuple[dict[str, Any], CallTiming]:

@@ -419,6 +419,9 @@ def gateway(
     admission_timeout: Annotated[float, typer.Option(help="seconds a call waits to be admitted before a 429")] = 30.0,
     call_timeout: Annotated[float, typer.Option(help="seconds one engine request may take")] = 600.0,
     tokenizer: Annotated[str, typer.Option(help="where the chat template comes from: engine (each engine's /tokenize), sim (the simulated engines'), or a Hugging Face tokenizer name or path (rendered in the gateway)", envvar="RB_GATEWAY_TOKENIZER")] = "engine",
+    tool_config: Annotated[Optional[str], typer.Option(
+        help="TOML file registering the rewards a close may name (reward_name)",
+        envvar="RB_TOOL_CONFIG")] = None,
     log_level: Annotated[str, typer.Option(help="logging level", envvar="RB_LOG_LEVEL")] = "INFO",
 ) -> None:
     """Serve the session gateway: an OpenAI-compatible API root per episode for agents that
@@ -441,6 +444,8 @@ def gateway(
             if not value > 0:
                 raise ValueError(f"{name}: must be a positive number of seconds, not {value}")
         check_redis_url(redis_url)
+        from workers.tools import load_registry
+        load_registry(tool_config)  # a bad entry is named here, before the gateway starts
         if tokenizer not in ("engine", "sim"):
             try:
                 from transformers import AutoTokenizer
@@ -451,7 +456,7 @@ def gateway(
         settings = GatewaySettings(redis_url=redis_url, namespace=namespace,
                                    admission_timeout_s=admission_timeout,
                                    call_timeout_s=call_timeout, token=token or None,
-                                   tokenizer=tokenizer,
+                                   tokenizer=tokenizer, tool_config=tool_config,
                                    runner=RunnerSettings(request_timeout_s=call_timeout))
     except ValueError as exc:
         raise _usage_error("gateway", exc) from None

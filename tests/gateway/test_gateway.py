@@ -249,3 +249,47 @@ def test_a_cancelled_episode_answers_409_and_publishes_nothing(redis_url, namesp
         assert err.value.body["code"] == "episode_ended"
         assert f.client.close_episode("ep-c", 1.0) == "cancelled"
         assert f.client.results(1, timeout=1) == []
+
+
+def test_a_close_over_http_may_name_a_registered_reward(redis_url, namespace):
+    from workers.tools import BUILTIN_REWARDS, RewardCall
+
+    with fleet(redis_url, namespace) as f:
+        base = f.open("ep-rw", max_tokens=8)
+        agent(base, 2)
+        url = f"{f.gateway.url}/v1/episodes/ep-rw/close"
+        bad = httpx.post(url, json={"reward_name": "nope"}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "reward_name"
+        both = httpx.post(url, json={"reward": 1.0, "reward_name": "parity"}, timeout=30)
+        assert both.status_code == 400
+        r = httpx.post(url, json={"reward_name": "parity"}, timeout=30)
+        assert r.status_code == 200 and r.json()["outcome"] == "ok"
+        [res] = f.client.results(1, timeout=10)
+        t = res.trajectory()
+        expected = BUILTIN_REWARDS["parity"](RewardCall(
+            session_id="ep-rw", workload="agentic", scorer="parity",
+            output_token_ids=res.output_token_ids, token_ids=t.token_ids,
+            loss_mask=t.loss_mask).model_dump())
+        assert res.reward == r.json()["reward"] == expected
+
+
+def test_a_trainer_over_http_opens_closes_and_reads_results(redis_url, namespace):
+    with fleet(redis_url, namespace, token="s3cret") as f:
+        auth = {"Authorization": "Bearer s3cret"}
+        spec = {"session_id": "ep-h", "workload": "agentic", "max_tokens": 8, "group_id": "g"}
+        assert httpx.post(f"{f.gateway.url}/v1/episodes", json=spec, timeout=30).status_code == 401
+        r = httpx.post(f"{f.gateway.url}/v1/episodes", json=spec, headers=auth, timeout=30)
+        assert r.status_code == 200 and r.json()["base_url"].endswith("/sessions/ep-h/v1")
+        bad = httpx.post(f"{f.gateway.url}/v1/episodes", headers=auth, timeout=30,
+                         json={**spec, "session_id": "ep-h2", "max_tokens": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+        agent(f"{f.gateway.url}/sessions/ep-h/v1", 2)  # the agents' calls need no token
+        r = httpx.post(f"{f.gateway.url}/v1/episodes/ep-h/close", json={"reward": 0.25},
+                       headers=auth, timeout=30)
+        assert r.json() == {"episode_id": "ep-h", "outcome": "ok", "reward": 0.25}
+        got = httpx.get(f"{f.gateway.url}/v1/results", params={"count": 4, "timeout": 10},
+                        headers=auth, timeout=30).json()["results"]
+        assert [(x["session_id"], x["reward"], x["turns"]) for x in got] == [("ep-h", 0.25, 2)]
+        again = httpx.get(f"{f.gateway.url}/v1/results", params={"count": 4, "timeout": 0.5},
+                          headers=auth, timeout=30).json()["results"]
+        assert again == []  # handed over once
