@@ -27,7 +27,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -172,6 +172,7 @@ class Gateway:
         self._scorer = InlineExecutor(settings.reward_timeout_s,
                                       load_registry(settings.tool_config))
         self._tasks: list[asyncio.Task] = []
+        self._trimmed = 0.0  # when this gateway last trimmed the admissions stream
         self.calls = 0  # calls answered
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -181,9 +182,16 @@ class Gateway:
         if state.paused:
             self.weights.pause(state.epoch, state.paused)
             self.weights.pause_done()  # the workers pause the engines; we only hold calls
-        self._tasks = [asyncio.create_task(self._follow_control(state.control_id),
-                                           name="gateway-control"),
-                       asyncio.create_task(self._follow_admissions(), name="gateway-admissions")]
+        # From the admissions stream's last entry now ("$" on every read would miss entries
+        # that land between two reads).
+        last = await self._redis.xrevrange(self.keys.episodes_admitted, count=1)
+        admitted_after = as_text(last[0][0]) if last else "0"
+        self._tasks = [
+            asyncio.create_task(self._follow(self.keys.control, state.control_id,
+                                             self._on_control), name="gateway-control"),
+            asyncio.create_task(self._follow(self.keys.episodes_admitted, admitted_after,
+                                             self._on_admitted,
+                                             self._trim_admitted), name="gateway-admissions")]
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -206,37 +214,16 @@ class Gateway:
                                        retry_after_s=self.settings.retry_after_s) from exc
                 await asyncio.sleep(self._outage.failed(exc))
 
-    async def _follow_control(self, after: str) -> None:
-        """Weight updates (broker/weights.py): hold calls while paused; version the tokens."""
-        while True:
-            try:
-                reply = await self._redis.xread({self.keys.control: after}, count=100, block=1000)
-            except Exception as exc:
-                if not is_outage(exc):
-                    raise
-                await asyncio.sleep(self._outage.failed(exc))
-                continue
-            for _, entries in reply or []:
-                for eid, raw in entries:
-                    after = as_text(eid)
-                    f = {as_text(k): as_text(v) for k, v in raw.items()}
-                    if f.get("op") == "pause":
-                        self.weights.pause(int(f.get("epoch", 0)), f.get("mode", "keep"))
-                        self.weights.pause_done()
-                    elif f.get("op") == "resume":
-                        self.weights.resume(int(f.get("version", 0)))
-
-    async def _follow_admissions(self) -> None:
-        """Wake the call waiting for an episode the broker just admitted; trim the stream."""
-        after, trimmed = "$", 0.0
-        stream = self.keys.episodes_admitted
+    async def _follow(self, stream: str, after: str, handle: Callable[[str, dict], None],
+                      every: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Read `stream` (no group: every gateway reads it all) from `after` on, handing each
+        entry's fields, as text, to `handle`; `every` runs after each read. Outages are waited
+        out."""
         while True:
             try:
                 reply = await self._redis.xread({stream: after}, count=1000, block=1000)
-                if time.monotonic() - trimmed > 10.0:  # entries older than a minute: nobody waits
-                    trimmed = time.monotonic()
-                    await self._redis.xtrim(stream, minid=f"{int((time.time() - 60) * 1000)}-0",
-                                            approximate=True)
+                if every is not None:
+                    await every()
             except Exception as exc:
                 if not is_outage(exc):
                     raise
@@ -245,9 +232,28 @@ class Gateway:
             for _, entries in reply or []:
                 for eid, raw in entries:
                     after = as_text(eid)
-                    waiter = self._waiters.get(as_text(raw.get(b"sid", b"")))
-                    if waiter is not None:
-                        waiter.set()
+                    handle(after, {as_text(k): as_text(v) for k, v in raw.items()})
+
+    def _on_control(self, _: str, f: dict) -> None:
+        """Weight updates (broker/weights.py): hold calls while paused; version the tokens."""
+        if f.get("op") == "pause":
+            self.weights.pause(int(f.get("epoch", 0)), f.get("mode", "keep"))
+            self.weights.pause_done()
+        elif f.get("op") == "resume":
+            self.weights.resume(int(f.get("version", 0)))
+
+    def _on_admitted(self, _: str, f: dict) -> None:
+        """Wake the call waiting for an episode the broker just admitted."""
+        waiter = self._waiters.get(f.get("sid", ""))
+        if waiter is not None:
+            waiter.set()
+
+    async def _trim_admitted(self) -> None:
+        """Entries older than a minute: no call waits for them (every 10 s, by any gateway)."""
+        if time.monotonic() - self._trimmed > 10.0:
+            self._trimmed = time.monotonic()
+            await self._redis.xtrim(self.keys.episodes_admitted,
+                                    minid=f"{int((time.time() - 60) * 1000)}-0", approximate=True)
 
     # -- engines --------------------------------------------------------------------------------
     async def _backend(self, backend_id: str) -> _Backend:

@@ -29,11 +29,7 @@ end
 if st[2] ~= ARGV[2] then
   return 'retry'
 end
-local charge = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HINCRBY', KEYS[2], 'ver', 1)  -- the sessions changed (broker/snapshot.py reads by it)
-redis.call('HINCRBY', KEYS[2], 'reserved', -charge)
-redis.call('HINCRBY', KEYS[2], 'w:' .. st[3], -charge)
+release_charge(KEYS[2], KEYS[3], ARGV[1], st[3])
 if st[4] then
   redis.call('XACK', KEYS[4], 'workers', st[4])
   redis.call('XDEL', KEYS[4], st[4])

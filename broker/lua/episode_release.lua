@@ -23,11 +23,7 @@ redis.call('ZREM', KEYS[5], ARGV[2])
 if (st[1] ~= 'admitted' and st[1] ~= 'running') or st[2] ~= ARGV[3] then
   return 'gone'
 end
-local charge = tonumber(redis.call('HGET', KEYS[4], ARGV[2]) or '0')
-redis.call('HDEL', KEYS[4], ARGV[2])
-redis.call('HINCRBY', KEYS[3], 'ver', 1)  -- the sessions changed (broker/snapshot.py reads by it)
-redis.call('HINCRBY', KEYS[3], 'reserved', -charge)
-redis.call('HINCRBY', KEYS[3], 'w:' .. st[3], -charge)
+release_charge(KEYS[3], KEYS[4], ARGV[2], st[3])
 redis.call('HSET', KEYS[2], 'state', 'parked', 'parked_from', ARGV[3], 'parked_at', ARGV[4])
 redis.call('HDEL', KEYS[2], 'backend', 'reserved', 'admitted_at', 'admitted_entry', 'running_at')
 redis.call('HINCRBY', KEYS[2], 'releases', 1)

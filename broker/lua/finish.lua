@@ -48,11 +48,7 @@ elseif state == 'pending' and st[5] == ARGV[2] then
     redis.call('XDEL', KEYS[8], st[6])
   end
 elseif (state == 'admitted' or state == 'running') and st[2] == ARGV[2] then
-  local charge = tonumber(redis.call('HGET', KEYS[3], sid) or '0')
-  redis.call('HDEL', KEYS[3], sid)
-  redis.call('HINCRBY', KEYS[2], 'ver', 1)  -- the sessions changed (broker/snapshot.py reads by it)
-  redis.call('HINCRBY', KEYS[2], 'reserved', -charge)
-  redis.call('HINCRBY', KEYS[2], 'w:' .. workload, -charge)
+  release_charge(KEYS[2], KEYS[3], sid, workload)
   if st[4] then
     redis.call('XACK', KEYS[4], 'workers', st[4])
     redis.call('XDEL', KEYS[4], st[4])

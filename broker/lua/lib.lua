@@ -20,3 +20,16 @@ local function retire(skey, bkey, settings, drop_body)
     redis.call('PEXPIRE', bkey, ms)
   end
 end
+
+-- release_charge(ledger, sessions, sid, workload): the session's KV reservation leaves its
+-- backend's ledger exactly (its entry in ledger:<b>:sessions, and as much of `reserved` and
+-- `w:<workload>`), and the ledger's version moves (broker/snapshot.py reads by it). Returns
+-- the charge released (0 if it held none).
+local function release_charge(ledger, sessions, sid, workload)
+  local charge = tonumber(redis.call('HGET', sessions, sid) or '0')
+  redis.call('HDEL', sessions, sid)
+  redis.call('HINCRBY', ledger, 'ver', 1)
+  redis.call('HINCRBY', ledger, 'reserved', -charge)
+  redis.call('HINCRBY', ledger, 'w:' .. workload, -charge)
+  return charge
+end

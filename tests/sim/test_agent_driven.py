@@ -12,11 +12,12 @@ import pytest
 import yaml
 
 from broker.policies import make_policy
-from broker.policies.base import Admission, Decision, Policy, Snapshot
+from broker.policies.base import Decision, Policy
 from sim.fleet import FleetSim
 from sim.scenario import ScenarioError, load_scenario, parse_scenario
 from sim.scenario_checks import scenario_warnings
 from sim.workloads.source import make_source
+from tests.sim.test_fleet import Spy
 
 QUICK = "scenarios/quick.yaml"
 AGENT_DRIVEN = "scenarios/agent-driven.yaml"
@@ -34,31 +35,6 @@ def agentic_only(gap_s: float, driver: str = "agent", iterations: int = 2,
     data["mixture"] = {"agentic": 1.0}
     data["trainer"].update({"iterations": iterations, "batch_size": 8, "inflight_bound": 16})
     return parse_scenario(data, origin="agentic-only")
-
-
-class Spy(Policy):
-    """Admits pending sessions in queue order, up to `limit` residents in all, to the backend
-    with the fewest residents; keeps snapshots."""
-
-    name = "spy"
-
-    def __init__(self, limit: int | None = None) -> None:
-        self.snapshots: list[Snapshot] = []
-        self.limit = limit
-
-    def decide(self, snapshot: Snapshot) -> Decision:
-        self.snapshots.append(snapshot)
-        load = {b.backend_id: len(b.sessions) for b in snapshot.backends}
-        out = Decision()
-        for items in snapshot.pending.values():
-            for item in items:
-                if self.limit is not None and sum(load.values()) >= self.limit:
-                    return out
-                assert item.turn == 0, "a broker policy never sees follow-up turns"
-                b = min(load, key=lambda k: (load[k], k))
-                load[b] += 1
-                out.admissions.append(Admission(item.session_id, b, item.prompt_tokens + item.max_tokens))
-        return out
 
 
 class Probe(FleetSim):

@@ -33,12 +33,14 @@ def run(policy: Policy, iterations: int = 2, **trainer: object) -> tuple[FleetSi
 
 
 class Spy(Policy):
-    """Admits oldest-first to the backend with the fewest resident sessions; keeps snapshots."""
+    """Admits oldest-first to the backend with the fewest resident sessions, up to `limit`
+    residents in all (None: no limit); keeps snapshots."""
 
     name = "spy"
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         self.snapshots: list[Snapshot] = []
+        self.limit = limit
 
     def decide(self, snapshot: Snapshot) -> Decision:
         self.snapshots.append(snapshot)
@@ -46,6 +48,8 @@ class Spy(Policy):
         out = Decision()
         for items in snapshot.pending.values():
             for item in items:
+                if self.limit is not None and sum(load.values()) >= self.limit:
+                    return out
                 if item.turn:
                     raise AssertionError("a broker policy never sees follow-up turns")
                 b = min(load, key=lambda k: (load[k], k))
