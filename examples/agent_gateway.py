@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -30,6 +29,7 @@ from openai import AsyncOpenAI
 from broker.client import AsyncRolloutClient
 from broker.session import SessionResult
 from examples.arith_env import evaluate
+from examples.async_grpo import train_step  # your trainer's step, as in the README's loop
 
 GROUP, GROUPS = 4, 4
 TOOLS = [{"type": "function", "function": {
@@ -110,15 +110,6 @@ async def run_group(client: AsyncRolloutClient, gateway: str, step: int, g: int,
         await client.close_episode(episode, reward(answer, expected))
 
     await asyncio.gather(*(one(i) for i in range(GROUP)))
-
-
-async def train_step(batch: list[list[SessionResult]]) -> None:
-    for members in batch:
-        rewards = [r.reward or 0.0 for r in members]
-        mean, std = statistics.fmean(rewards), statistics.pstdev(rewards) or 1.0
-        for r, rew in zip(members, rewards):
-            advantage, t = (rew - mean) / std, r.trajectory()
-            _ = (advantage, t.token_ids, t.loss_mask, t.logprobs)  # your loss goes here
 
 
 async def run(redis_url: str, namespace: str, gateway: str, steps: int, simulated: bool,
