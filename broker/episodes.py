@@ -37,12 +37,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from broker.body import dump_body
+from broker.completions import CompletionStats, completion_json, completion_of
 from broker.keys import Keys
 from broker.plans import Cmd, Plan, batch, cmd, script
 from broker.session import Session, SessionResult, SessionState, TurnRecord
-from broker.snapshot import completion_json
 from broker.streams import as_text
-from broker.worker_link import CompletionStats, completion_of
 
 DEFAULT_EPISODE_MAX_TOKENS = 4096  # per call, unless the spec says
 DEFAULT_EPISODE_MAX_TURNS = 64  # calls

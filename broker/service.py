@@ -34,6 +34,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain, islice
 
+from broker.completions import completion_from_entry
 from broker.decision import LedgerEntry, apply_decision, touched_backends
 from broker.episodes import due_releases
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
@@ -54,7 +55,6 @@ from broker.snapshot import (
     ResidentMeta,
     ViewCache,
     build_snapshot,
-    completion_from_entry,
     live_limits,
     pending_item,
     read_fleet,

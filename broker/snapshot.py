@@ -7,8 +7,6 @@ streams and holds in its consumer-group backlog), oldest first, requeued ones in
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -331,18 +329,3 @@ def build_snapshot(now: float, pending: Mapping[str, Sequence[PendingItem]], fle
         new_completions=tuple(completions),
     )
 
-
-def completion_json(c: Completion) -> str:
-    """A completion as the completions stream carries it (`completion_from_entry` reads it)."""
-    return json.dumps(dataclasses.asdict(c), separators=(",", ":"))
-
-
-def completion_from_entry(fields: Mapping) -> Completion | None:
-    """A completions-stream entry as a policy `Completion`; None if it cannot be read."""
-    raw = fields.get(b"completion", fields.get("completion"))
-    try:
-        d = json.loads(raw)
-        d["turn_output_tokens"] = tuple(int(t) for t in d["turn_output_tokens"])
-        return Completion(**d)
-    except (TypeError, ValueError, KeyError):
-        return None

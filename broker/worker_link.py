@@ -34,6 +34,7 @@ import redis
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker.body import dump_body, load_body
+from broker.completions import CompletionStats, completion_json, completion_of
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S, EngineMetrics, HeartbeatRecord, SessionProgress
 from broker.keys import WORKERS_GROUP, Keys, check_backend_id
 from broker.ledger import Ledger
@@ -43,36 +44,11 @@ from broker.queue import with_bodies
 from broker.redis_conn import connect, durability, is_outage
 from broker.scripts import Scripts
 from broker.session import Session, SessionResult, SessionState
-from broker.snapshot import completion_json
 from broker.streams import BacklogCursor, as_text
 from broker.weights import PAUSED_EVENTS_MAXLEN, WeightsState, read_state
 
 
 log = logging.getLogger("rollout_broker.worker")
-
-
-class CompletionStats(BaseModel):
-    """What a finished session tells the broker's predictors beyond the trainer's result."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    turn_output_tokens: list[int] = Field(default_factory=list)
-    tool_wait_s: float = Field(default=0.0, ge=0.0)
-    kv_token_seconds: float = Field(default=0.0, ge=0.0)
-    truncated: bool = False
-
-
-def completion_of(r: SessionResult, stats: CompletionStats) -> Completion:
-    """What the policy learns from a finished session: its result and the worker's stats."""
-    turns = stats.turn_output_tokens or ([r.output_tokens] if r.turns <= 1 else [])
-    return Completion(
-        session_id=r.session_id, workload=r.workload, backend_id=r.backend_id or "",
-        prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens,
-        turn_output_tokens=tuple(int(t) for t in turns), turns=r.turns,
-        tool_wait_s=float(stats.tool_wait_s), kv_token_seconds=float(stats.kv_token_seconds),
-        admitted_at=r.admitted_at or 0.0, finished_at=r.finished_at or 0.0,
-        truncated=bool(stats.truncated),
-    )
 
 
 @dataclass(frozen=True, slots=True)

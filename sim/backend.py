@@ -15,7 +15,8 @@ import time
 
 from broker.heartbeat import EngineMetrics, SessionProgress
 from broker.redis_conn import is_outage
-from broker.worker_link import AdmittedSession, BackendReclaimed, CompletionStats, WorkerLink
+from broker.completions import CompletionStats
+from broker.worker_link import AdmittedSession, BackendReclaimed, WorkerLink
 from broker.session import SessionResult, SessionState
 
 

@@ -31,7 +31,7 @@ import httpx
 from broker.heartbeat import SessionProgress
 from broker.policies.base import kv_token_seconds
 from broker.session import PartialRollout, Session, SessionResult, SessionState, TurnRecord
-from broker.worker_link import CompletionStats
+from broker.completions import CompletionStats
 from workers.engine import GENERATE_PATH
 from workers.tools import (
     RewardCall,

@@ -50,16 +50,11 @@ from typing import TypeVar
 import httpx
 
 from broker import metrics
+from broker.completions import CompletionStats
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
 from broker.redis_conn import Outage, is_outage
 from broker.session import PartialRollout, Session, SessionResult, SessionState
-from broker.worker_link import (
-    AdmittedSession,
-    BackendReclaimed,
-    CompletionStats,
-    NotRegistered,
-    WorkerLink,
-)
+from broker.worker_link import AdmittedSession, BackendReclaimed, NotRegistered, WorkerLink
 from workers.engine import EngineInfo, EngineScrape, parse_metrics, read_engine_info
 from workers.runner import (
     EngineUnavailable,

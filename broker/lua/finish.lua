@@ -8,7 +8,7 @@
 -- ARGV[1] = sid   ARGV[2] = backend id   ARGV[3] = status ('done' | 'failed')
 -- ARGV[4] = SessionResult JSON   ARGV[5] = completion stats JSON   ARGV[6] = now
 -- ARGV[7] = KV-token-seconds the session held   ARGV[8] = its output tokens
--- ARGV[9] = the completion the broker learns from (JSON, broker/snapshot.py), added to the
+-- ARGV[9] = the completion the broker learns from (JSON, broker/completions.py), added to the
 -- capped completions stream: the results stream loses an entry when the trainer acknowledges
 -- it, maybe before the broker read it.
 -- On 'ok' the kvsec hash counts, per workload: the KV-token-seconds (field <workload>), the

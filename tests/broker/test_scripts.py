@@ -576,8 +576,8 @@ def test_a_finish_feeds_the_broker_a_completion_the_trainers_ack_cannot_take(wor
     """The broker learns lengths from the capped completions stream: the result itself may be
     acknowledged, and so deleted, before the broker reads it."""
     from broker.client import RolloutClient
-    from broker.snapshot import completion_from_entry, read_fleet
-    from broker.worker_link import CompletionStats, completion_of
+    from broker.completions import CompletionStats, completion_from_entry, completion_of
+    from broker.snapshot import read_fleet
 
     k = world.k
     link = world.admitted("b0", 1)

@@ -8,7 +8,8 @@ import pytest
 import redis
 
 from broker.session import Session, SessionResult, SessionState
-from broker.worker_link import AdmittedSession, CompletionStats
+from broker.completions import CompletionStats
+from broker.worker_link import AdmittedSession
 from tests.workers.tools_for_tests import TOOLS_TOML
 from workers.runner import Progress
 from workers.tools import InlineExecutor, RegistryError, ToolError, load_registry
