@@ -456,33 +456,59 @@ def run_fault(fault: str, args: argparse.Namespace, keep: bool) -> Row:
     return row
 
 
+@dataclass
+class Delivery:
+    """Exactly-once, judged on what the trainer was handed, per enqueued session."""
+
+    per_sid: dict[str, list[SessionResult]]
+    lost: int  # enqueued, never handed over
+    duplicated: int  # handed over more than once, plus results published and never handed over
+    done_once: int  # handed over exactly once, done
+    failed: set[str]  # handed over failed
+    notes: list[str]
+
+
+def delivery(delivered: list[tuple[SessionResult, float]], ids: list[str],
+             redis_url: str) -> Delivery:
+    """`delivered`: the trainer's (result, read at); `ids`: the sessions it enqueued."""
+    per_sid: dict[str, list[SessionResult]] = {}
+    for res, _ in delivered:
+        per_sid.setdefault(res.session_id, []).append(res)
+    notes = []
+    duplicated = sum(1 for sid in ids if len(per_sid.get(sid, ())) > 1)
+    # Acknowledged results leave the stream, and the trainer acknowledged all it was handed: an
+    # entry left is a result published and never handed on.
+    r = redis.Redis.from_url(redis_url)
+    left = r.xlen(Keys(NAMESPACE).results)
+    r.close()
+    if left:
+        duplicated += left
+        notes.append(f"{left} results published and never delivered")
+    return Delivery(
+        per_sid=per_sid, lost=sum(1 for sid in ids if sid not in per_sid), duplicated=duplicated,
+        done_once=sum(1 for sid in ids
+                      if [x.status for x in per_sid.get(sid, ())] == [SessionState.done]),
+        failed={sid for sid in ids
+                if SessionState.failed in [x.status for x in per_sid.get(sid, ())]},
+        notes=notes)
+
+
 def measure(row: Row, fleet: Fleet, trainer: Trainer, sessions: list[Session], bad: set[str],
             fault_end: float | None, t0: float) -> None:
     k = Keys(NAMESPACE)
     r = redis.Redis.from_url(fleet.url)
-    per_sid: dict[str, list[SessionResult]] = {}
     times: list[float] = []  # when each result was published (its finished_at)
     w0_times: list[float] = []
     for res, read_at in trainer.delivered:
-        per_sid.setdefault(res.session_id, []).append(res)
         times.append(res.finished_at or read_at)
         if res.backend_id == "w0":
             w0_times.append(times[-1])
-    known = {s.session_id for s in sessions}
     row.enqueued = trainer.enqueued
-    row.duplicated = sum(1 for sid in known if len(per_sid.get(sid, ())) > 1)
-    # Acknowledged results leave the stream (the poison entry the fault wrote is dead-lettered),
-    # and the trainer acknowledged all it was handed: an entry left is a result published and
-    # never handed on.
-    left = r.xlen(k.results)
-    if left:
-        row.duplicated += left
-        row.notes.append(f"{left} results published and never delivered")
-    row.lost = sum(1 for s in sessions[:trainer.enqueued] if s.session_id not in per_sid)
-    row.done_once = sum(1 for sid in known
-                        if [x.status for x in per_sid.get(sid, ())] == [SessionState.done])
-    failed = {sid for sid in known
-              if SessionState.failed in [x.status for x in per_sid.get(sid, ())]}
+    d = delivery(trainer.delivered, [s.session_id for s in sessions[:trainer.enqueued]],
+                 fleet.url)
+    per_sid, failed = d.per_sid, d.failed
+    row.duplicated, row.lost, row.done_once = d.duplicated, d.lost, d.done_once
+    row.notes += d.notes
     row.failed_expected = len(failed & bad)
     row.failed_infra = len(failed - bad)
     row.dead_lettered = r.xlen(k.dead_letter)

@@ -39,9 +39,8 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.chaos import NAMESPACE, Fleet, Trainer, session_mix  # noqa: E402
+from benchmarks.chaos import NAMESPACE, Fleet, Trainer, delivery, session_mix  # noqa: E402
 from broker.client import RolloutClient  # noqa: E402
-from broker.keys import Keys  # noqa: E402
 from rollout_broker.demo import run_until_interrupted  # noqa: E402
 
 MODES = ("abort", "keep", "wait")
@@ -208,23 +207,12 @@ def run(args: argparse.Namespace) -> Report:
 
 
 def finish(report: Report, fleet: Fleet, trainer: TimedTrainer, sessions) -> None:
-    per_sid: dict[str, list[str]] = {}
-    for res, _ in trainer.delivered:
-        per_sid.setdefault(res.session_id, []).append(res.status.value)
     ids = [s.session_id for s in sessions[:trainer.enqueued]]
+    d = delivery(trainer.delivered, ids, fleet.url)
     report.enqueued = len(ids)
-    report.done_once = sum(1 for sid in ids if per_sid.get(sid) == ["done"])
-    report.failed = sum(1 for sid in ids if "failed" in per_sid.get(sid, ()))
-    report.lost = sum(1 for sid in ids if sid not in per_sid)
-    report.duplicated = sum(1 for sid in ids if len(per_sid.get(sid, ())) > 1)
-    # Acknowledged results leave the stream, and the trainer acknowledged all it was handed: an
-    # entry left is a result published and never handed on.
-    r = redis.Redis.from_url(fleet.url)
-    left = r.xlen(Keys(NAMESPACE).results)
-    r.close()
-    if left:
-        report.duplicated += left
-        report.notes.append(f"{left} results published and never delivered")
+    report.done_once, report.failed = d.done_once, len(d.failed)
+    report.lost, report.duplicated = d.lost, d.duplicated
+    report.notes += d.notes
     samples = report.samples
     report.max_oldest_outstanding_s = max((s.oldest_outstanding_s for s in samples), default=0.0)
     first = (600.0, 900.0) if report.duration_s >= 1800 else \
