@@ -5,6 +5,7 @@ idle release and weight updates behave as docs/gateway.md says."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -181,6 +182,17 @@ def test_async_and_streaming_clients(redis_url, namespace):
 
         text, finish = asyncio.run(run())
         assert finish == "stop" and text
+        # The sync client, streaming, with tools: the tool call arrives as a delta.
+        f.open("ep-sync", max_tokens=64, metadata={"sim_output_tokens": 40, "sim_turns": 2})
+        oa = openai.OpenAI(base_url=f"{f.gateway.url}/sessions/ep-sync/v1", api_key="-")
+        calls, finish = [], None
+        for chunk in oa.chat.completions.create(model="m", stream=True, tools=CALC,
+                                                messages=[{"role": "user", "content": "2+2"}]):
+            for c in chunk.choices:
+                calls += c.delta.tool_calls or []
+                finish = c.finish_reason or finish
+        assert finish == "tool_calls" and calls[0].function.name == "calc"
+        assert "expression" in json.loads(calls[0].function.arguments)
         assert f.client.close_episode("ep-async", None) == "ok"
         [res] = f.client.results(1, timeout=10)
         check_token_exact(res, engine_view(f, "ep-async"))
