@@ -252,6 +252,8 @@ def worker(
         envvar="RB_WEIGHTS_HOOK")] = None,
     metrics_port: Annotated[int, typer.Option(help="serve this process's Prometheus metrics on this port (0: off)", envvar="RB_METRICS_PORT")] = 0,
     advertise_url: Annotated[Optional[str], typer.Option(help="the engine's URL as session gateways reach it (default: the engine URL this worker uses)", envvar="RB_ADVERTISE_URL")] = None,
+    engine_host: Annotated[str, typer.Option(help="vllm:/sim: engines: the address the child engine binds (0.0.0.0 for a session gateway on another host; then give --engine-port and --advertise-url)", envvar="RB_ENGINE_HOST")] = "127.0.0.1",
+    engine_port: Annotated[int, typer.Option(help="vllm:/sim: engines: the child engine's port (0: a free one)", envvar="RB_ENGINE_PORT")] = 0,
     log_level: Annotated[str, typer.Option(help="logging level", envvar="RB_LOG_LEVEL")] = "INFO",
 ) -> None:
     """Run admitted sessions on one engine (attached, or started as a child) until SIGTERM."""
@@ -278,7 +280,7 @@ def worker(
         run_worker(settings,
                    EngineOptions(spec=engine, time_scale=time_scale, kv_tokens=kv_tokens,
                                  seed=seed, ready_timeout_s=ready_timeout,
-                                 weights_hook=weights_hook),
+                                 weights_hook=weights_hook, host=engine_host, port=engine_port),
                    ToolOptions(kind=tools, timeout_s=tool_timeout, retries=tool_retries,
                                config=tool_config, redis_url=tools_redis_url))
     except WorkerConfigError as exc:  # a bad option, named, before anything started

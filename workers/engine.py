@@ -110,8 +110,10 @@ def installed_vllm() -> VllmInstall | None:
 
 
 def vllm_command(model: str, port: int, args: tuple[str, ...] = (),
-                 install: VllmInstall | None = None, python: str = sys.executable) -> list[str]:
-    """vLLM's OpenAI server for `model` on a loopback port, with the flags the worker needs
+                 install: VllmInstall | None = None, python: str = sys.executable,
+                 host: str = "127.0.0.1") -> list[str]:
+    """vLLM's OpenAI server for `model` on `port` of `host` (loopback unless a session gateway
+    elsewhere must reach it), with the flags the worker needs
     (`VLLM_FLAGS`, and `CPU_BUILD_FLAGS` on the CPU build unless ARGS say otherwise about
     chunked prefill). The caller's ARGS come last, so they win on repeats, except
     --host/--port, which the worker owns (it must know where to connect)."""
@@ -123,12 +125,12 @@ def vllm_command(model: str, port: int, args: tuple[str, ...] = (),
                                                               for a in args):
         flags += CPU_BUILD_FLAGS
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            "--host", "127.0.0.1", "--port", str(port), *flags, *args]
+            "--host", host, "--port", str(port), *flags, *args]
 
 
 def sim_command(profile: str, port: int, time_scale: float = 1.0, kv_tokens: int | None = None,
-                seed: int = 0) -> list[str]:
-    cmd = [sys.executable, "-m", "rollout_broker.cli", "sim-engine", "--host", "127.0.0.1",
+                seed: int = 0, host: str = "127.0.0.1") -> list[str]:
+    cmd = [sys.executable, "-m", "rollout_broker.cli", "sim-engine", "--host", host,
            "--port", str(port), "--profile", profile, "--time-scale", repr(time_scale),
            "--seed", str(seed)]
     if kv_tokens is not None:
@@ -219,22 +221,26 @@ NO_VLLM = ("engine: vllm: this Python cannot import vllm; pip install vllm (GPU)
 
 def open_engine(spec: EngineSpec, time_scale: float = 1.0, kv_tokens: int | None = None,
                 seed: int = 0, ready_timeout_s: float = 120.0,
-                output: IO | None = None) -> EngineHandle:
+                output: IO | None = None, host: str = "127.0.0.1",
+                port: int | None = None) -> EngineHandle:
+    """The engine the worker uses: attached at its URL, or started as a child on `port` (a
+    free one by default) of `host` (loopback by default; 0.0.0.0 for a gateway elsewhere).
+    The worker reaches a child at loopback either way."""
     if spec.kind == "attach":
         url = spec.target.rstrip("/")
         wait_healthy(url, ready_timeout_s)
         return EngineHandle(url)
-    port = free_port()
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     env = None
     if spec.kind == "vllm":
         install = installed_vllm()
         if install is None:
             raise RuntimeError(NO_VLLM)
-        cmd = vllm_command(spec.target, port, spec.args, install)
+        cmd = vllm_command(spec.target, port, spec.args, install, host=host)
         env = VLLM_ENV
     else:
-        cmd = sim_command(spec.target, port, time_scale, kv_tokens, seed)
+        cmd = sim_command(spec.target, port, time_scale, kv_tokens, seed, host=host)
     return EngineHandle(url, ChildEngine(cmd, url).start(ready_timeout_s, env, output))
 
 

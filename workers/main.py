@@ -36,6 +36,10 @@ class EngineOptions:
     seed: int = 0
     ready_timeout_s: float = 600.0  # vLLM loads weights and captures graphs before /health
     weights_hook: str | None = None  # 'package.module:function' loading a version's weights
+    # A child engine's address: loopback, or 0.0.0.0 with a fixed port for a session gateway
+    # on another host or container (then the worker's advertise_url names where it is).
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port
 
 
 @dataclass(slots=True)
@@ -83,6 +87,16 @@ def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptio
                 get_profile(spec.target)
             except ValueError as exc:
                 raise ValueError(f"engine: sim: {exc}") from None
+        loopback = engine.host in ("127.0.0.1", "localhost", "::1")
+        if spec.kind == "attach" and (not loopback or engine.port):
+            raise ValueError("engine_host: an attached engine listens where it was started; "
+                             "--engine-host and --engine-port are for engines the worker starts")
+        if not 0 <= engine.port <= 65535:
+            raise ValueError(f"engine_port: {engine.port} is not a TCP port")
+        if not loopback and not (engine.port and settings.advertise_url):
+            raise ValueError(f"advertise_url: an engine bound to {engine.host} is for a session "
+                             "gateway elsewhere: give --engine-port and --advertise-url (the URL "
+                             "the gateway reaches it at)")
         if spec.kind == "attach" and not spec.target.startswith(("http://", "https://")):
             raise ValueError(f"engine: attach:{spec.target} must name an http:// or https:// URL")
         if spec.kind == "vllm":
@@ -100,7 +114,8 @@ def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptio
         raise WorkerConfigError(str(exc)) from None
     settings.runner.time_scale = engine.time_scale
     handle = open_engine(spec, time_scale=engine.time_scale, kv_tokens=engine.kv_tokens,
-                         seed=engine.seed, ready_timeout_s=engine.ready_timeout_s)
+                         seed=engine.seed, ready_timeout_s=engine.ready_timeout_s,
+                         host=engine.host, port=engine.port or None)
     try:
         log.info("worker %s: engine at %s", settings.backend_id, handle.url)
         try:

@@ -159,3 +159,18 @@ def test_the_api_needs_a_token():
     r = run("config", "-q", token=None)
     assert r.returncode != 0
     assert "RB_API_TOKEN" in r.stderr
+
+
+def test_the_gateway_profile_reaches_the_workers_engines():
+    """--profile gateway adds the session gateway; every worker's engine listens on the compose
+    network and the worker advertises where (docs/gateway.md)."""
+    services = services_of("cpu", "gateway")
+    gw = services["gateway"]
+    assert gw["command"][:3] == ["gateway", "--host", "0.0.0.0"]
+    assert gw["environment"]["RB_GATEWAY_TOKEN"] == "t0ken"  # the API's, for the trainer's
+    assert gw["profiles"] == ["gateway"]  # only with its profile
+    for name, svc in {**services_of("gpu"), **services}.items():
+        if "rollout-broker worker" in " ".join(svc.get("command") or []):
+            assert svc["environment"]["RB_ENGINE_HOST"] == "0.0.0.0", name
+            assert '--advertise-url "http://$$HOSTNAME:$$RB_ENGINE_PORT"' in \
+                " ".join(svc["command"]), name

@@ -135,8 +135,10 @@ def container_env(target: str, workload: dict, container: dict, ordinal: int = 0
             assert ref["key"] in maps.get(ref["name"], {}), f"{var['name']}: no {ref} in {target}"
             env[var["name"]] = maps[ref["name"]][ref["key"]]
         elif "fieldRef" in source:
-            assert source["fieldRef"]["fieldPath"] == "metadata.name", source
-            env[var["name"]] = pod_name(workload, ordinal)
+            path = source["fieldRef"]["fieldPath"]
+            assert path in ("metadata.name", "status.podIP"), source
+            env[var["name"]] = pod_name(workload, ordinal) if path == "metadata.name" \
+                else f"10.0.0.{ordinal + 7}"  # a stand-in pod IP
         elif "secretKeyRef" in source:
             env[var["name"]] = f"secret-{source['secretKeyRef']['name']}"
         else:
@@ -383,6 +385,28 @@ def test_api_probes_and_token():
             assert "RB_API_TOKEN" not in data, f"ConfigMap {name} carries the token"
         svc = objects[("Service", "rollout-broker-api")]
         assert [p["port"] for p in svc["spec"]["ports"]] == [8080]
+
+
+def test_the_gateway_reaches_every_workers_engine():
+    """The session gateway (docs/gateway.md): token from the Secret, its Service on 8100; every
+    engine worker's engine listens on the pod's IP and the worker advertises that URL."""
+    for target in TARGETS:
+        objects = by_id(rendered(target))
+        gw = objects[("Deployment", "gateway")]
+        (c,) = containers(gw)
+        sub, params = parse_cli(c["args"], container_env(target, gw, c))
+        assert sub == "gateway" and params["host"] == "0.0.0.0" and params["port"] == 8100
+        token = [e for e in c["env"] if e["name"] == "RB_GATEWAY_TOKEN"]
+        assert len(token) == 1 and "secretKeyRef" in token[0]["valueFrom"]
+        svc = objects[("Service", "rollout-broker-gateway")]
+        assert [p["port"] for p in svc["spec"]["ports"]] == [8100]
+    for target in OVERLAYS:
+        for workload, c in engine_workers(target):
+            env = container_env(target, workload, c)
+            sub, params = parse_cli(c["args"], env)
+            ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+            assert params["engine_host"] == "0.0.0.0" and params["engine_port"] == ports["engine"]
+            assert params["advertise_url"] == f"http://10.0.0.7:{ports['engine']}"
 
 
 # -- engine workers -------------------------------------------------------------------------------
