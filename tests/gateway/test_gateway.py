@@ -305,3 +305,17 @@ def test_a_trainer_over_http_opens_closes_and_reads_results(redis_url, namespace
         again = httpx.get(f"{f.gateway.url}/v1/results", params={"count": 4, "timeout": 0.5},
                           headers=auth, timeout=30).json()["results"]
         assert again == []  # handed over once
+
+
+def test_an_episode_past_the_staleness_bound_ends_failed_and_its_call_gets_409(redis_url,
+                                                                                 namespace):
+    with fleet(redis_url, namespace) as f:
+        f.client.set_max_staleness(1)
+        f.client.resume(5)  # the engines serve version 5; the episode's policy is version 0
+        oa = openai.OpenAI(base_url=f.open("ep-old", max_tokens=8, policy_version=0),
+                           api_key="-", max_retries=0)
+        with pytest.raises(openai.ConflictError) as err:
+            oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        assert err.value.body["code"] == "episode_ended"
+        [res] = f.client.results(1, timeout=10)
+        assert res.status == SessionState.failed and "stale" in (res.error or "")
