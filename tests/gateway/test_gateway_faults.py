@@ -116,3 +116,56 @@ def test_a_dead_backend_moves_the_episode_and_the_agent_sees_only_latency(redis_
         assert res.backend_id == other
         # The second call ran on the other engine, from the whole history (no cache there).
         check_token_exact(res, before + engine_view(f, "ep-move", [other]))
+
+
+def test_agents_ride_out_a_redis_restart_exactly_once(tmp_path):
+    """Redis stops (SIGTERM, append-only file kept) for 3 s while 8 agents call through the
+    gateway and starts again on the same port: the agents' clients retry the gateway's 503s,
+    and every episode ends with one token-exact result."""
+    from broker.redis_server import start_private_redis
+
+    workdir = str(tmp_path / "redis")
+    (tmp_path / "redis").mkdir()
+    server = start_private_redis(appendonly=True, workdir=workdir,
+                                 extra_args=("--appendfsync", "always"))
+    port = int(server.url.rsplit(":", 1)[1].split("/")[0])
+    try:
+        with fleet(server.url, "ride", engines=2, time_scale=20.0) as f:
+            n, turns = 8, 12
+            for i in range(n):
+                f.open(f"r{i}", max_tokens=64, metadata={"sim_output_tokens": 40})
+            done: dict[str, list] = {}
+            errors: list[BaseException] = []
+
+            def run(i: int) -> None:
+                try:
+                    done[f"r{i}"] = agent(f"{f.gateway.url}/sessions/r{i}/v1", turns)
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+            for t in threads:
+                t.start()
+            time.sleep(1.0)
+            running = sum(t.is_alive() for t in threads)
+            server.process.terminate()
+            server.process.wait(timeout=10)
+            time.sleep(3.0)
+            server = start_private_redis(appendonly=True, port=port, workdir=workdir,
+                                         extra_args=("--appendfsync", "always"))
+            for t in threads:
+                t.join(timeout=120)
+            assert running == n, "the outage must come while the agents call"
+            assert not errors, errors[:3]
+            for i in range(n):
+                assert f.client.close_episode(f"r{i}", 1.0) == "ok"
+            results = []
+            assert wait_until(lambda: len(results.__iadd__(f.client.results(n, timeout=0.5))
+                                          or results) >= n, timeout=30, every=0)
+            f.client.ack()
+            assert sorted(r.session_id for r in results) == sorted(f"r{i}" for i in range(n))
+            for r in results:
+                assert r.turns == turns
+                check_token_exact(r, _kept(engine_view(f, r.session_id), r))
+    finally:
+        server.close()
