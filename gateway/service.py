@@ -415,7 +415,7 @@ class Gateway:
         previous prompt and completion, plus new text or ids; its mark is the prompt's length."""
         text_prompt = isinstance(call.prompt, str)
         mark = len(call.prompt)
-        so_far: list = []  # the episode's text (text prompts) or ids, read once checked
+        so_far: list[str] = []  # a text episode's text so far (read by `prepare`)
 
         async def added(engine: _Backend, view: EpisodeView, history: list[int]) -> list[int]:
             if text_prompt:
