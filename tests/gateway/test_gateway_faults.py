@@ -38,6 +38,31 @@ def start_gateway(redis_url: str, namespace: str, port: int) -> subprocess.Popen
     return proc
 
 
+class Agents:
+    """`agent` in a thread per episode (its base URL); what each ended with, and any error."""
+
+    def __init__(self, base_urls: dict[str, str], turns: int) -> None:
+        self.done: dict[str, list] = {}
+        self.errors: list[BaseException] = []
+
+        def run(sid: str, base: str) -> None:
+            try:
+                self.done[sid] = agent(base, turns)
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                self.errors.append(exc)
+
+        self.threads = [threading.Thread(target=run, args=item) for item in base_urls.items()]
+        for t in self.threads:
+            t.start()
+
+    def running(self) -> int:
+        return sum(t.is_alive() for t in self.threads)
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(timeout=120)
+
+
 def test_a_gateway_killed_mid_run_loses_and_duplicates_nothing(redis_url, namespace):
     n, turns = 16, 4
     with fleet(redis_url, namespace, engines=2, time_scale=20.0) as f:
@@ -48,41 +73,34 @@ def test_a_gateway_killed_mid_run_loses_and_duplicates_nothing(redis_url, namesp
                                    "max_tokens": 256,
                                    "metadata": {"sim_output_tokens": 150}}, url)
         gw = start_gateway(redis_url, namespace, port)
-        done: dict[str, list] = {}
-        errors: list[BaseException] = []
-
-        def run(i: int) -> None:
-            try:
-                done[f"ep{i}"] = agent(f"{url}/sessions/ep{i}/v1", turns)
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
+        agents = Agents({f"ep{i}": f"{url}/sessions/ep{i}/v1" for i in range(n)}, turns)
         time.sleep(1.5)  # mid-run: calls in flight
         os.killpg(gw.pid, signal.SIGKILL)
         gw.wait()
         time.sleep(0.5)
         gw = start_gateway(redis_url, namespace, port)
         try:
-            for t in threads:
-                t.join(timeout=120)
+            agents.join()
         finally:
             os.killpg(gw.pid, signal.SIGTERM)
             gw.wait(timeout=20)
-        assert not errors, errors[:3]
-        assert len(done) == n
-        for i in range(n):
-            assert f.client.close_episode(f"ep{i}", float(i)) == "ok"
-        results = []
-        assert wait_until(lambda: len(results.__iadd__(f.client.results(n, timeout=0.5))
-                                      or results) >= n, timeout=30, every=0)
-        f.client.ack()
-        assert sorted(r.session_id for r in results) == sorted(f"ep{i}" for i in range(n))
-        for r in results:
-            assert r.turns == turns
-            check_token_exact(r, _kept(engine_view(f, r.session_id), r))
+        assert not agents.errors, agents.errors[:3]
+        assert len(agents.done) == n
+        close_and_check_once(f, [f"ep{i}" for i in range(n)], turns)
+
+
+def close_and_check_once(f, episodes: list[str], turns: int) -> None:
+    """Close every episode: exactly one result each, with all its calls, token-exact."""
+    for i, sid in enumerate(episodes):
+        assert f.client.close_episode(sid, float(i)) == "ok"
+    results: list = []
+    assert wait_until(lambda: len(results.__iadd__(f.client.results(len(episodes), timeout=0.5))
+                                  or results) >= len(episodes), timeout=30, every=0)
+    f.client.ack()
+    assert sorted(r.session_id for r in results) == sorted(episodes)
+    for r in results:
+        assert r.turns == turns
+        check_token_exact(r, _kept(engine_view(f, r.session_id), r))
 
 
 def _kept(requests: list[dict], result) -> list[dict]:
@@ -134,38 +152,18 @@ def test_agents_ride_out_a_redis_restart_exactly_once(tmp_path):
             n, turns = 8, 12
             for i in range(n):
                 f.open(f"r{i}", max_tokens=64, metadata={"sim_output_tokens": 40})
-            done: dict[str, list] = {}
-            errors: list[BaseException] = []
-
-            def run(i: int) -> None:
-                try:
-                    done[f"r{i}"] = agent(f"{f.gateway.url}/sessions/r{i}/v1", turns)
-                except BaseException as exc:  # noqa: BLE001 - reported below
-                    errors.append(exc)
-
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-            for t in threads:
-                t.start()
+            agents = Agents({f"r{i}": f"{f.gateway.url}/sessions/r{i}/v1" for i in range(n)},
+                            turns)
             time.sleep(1.0)
-            running = sum(t.is_alive() for t in threads)
+            running = agents.running()
             server.process.terminate()
             server.process.wait(timeout=10)
             time.sleep(3.0)
             server = start_private_redis(appendonly=True, port=port, workdir=workdir,
                                          extra_args=("--appendfsync", "always"))
-            for t in threads:
-                t.join(timeout=120)
+            agents.join()
             assert running == n, "the outage must come while the agents call"
-            assert not errors, errors[:3]
-            for i in range(n):
-                assert f.client.close_episode(f"r{i}", 1.0) == "ok"
-            results = []
-            assert wait_until(lambda: len(results.__iadd__(f.client.results(n, timeout=0.5))
-                                          or results) >= n, timeout=30, every=0)
-            f.client.ack()
-            assert sorted(r.session_id for r in results) == sorted(f"r{i}" for i in range(n))
-            for r in results:
-                assert r.turns == turns
-                check_token_exact(r, _kept(engine_view(f, r.session_id), r))
+            assert not agents.errors, agents.errors[:3]
+            close_and_check_once(f, [f"r{i}" for i in range(n)], turns)
     finally:
         server.close()
