@@ -17,19 +17,20 @@ import hmac
 import json
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
 from broker.client import AsyncRolloutClient
 from broker.redis_conn import is_outage
-from gateway.service import ChatCall, CompletionCall, Gateway, GatewayError, GatewaySettings
+from gateway.service import (CallTiming, ChatCall, CompletionCall, Gateway, GatewayError,
+                             GatewaySettings)
 
 log = logging.getLogger("rollout_broker.gateway")
 
@@ -171,23 +172,15 @@ def create_app(settings: GatewaySettings, public_url: str = "") -> FastAPI:
             tools=req.tools, tool_choice=req.tool_choice or "auto",
             max_tokens=req.max_completion_tokens or req.max_tokens, model=req.model)
         reply, timing = await gateway.chat(episode_id, call)
-        headers = {"Server-Timing": timing.header()}
-        if not req.stream:
-            return JSONResponse(reply, headers=headers)
-        usage = bool((req.stream_options or {}).get("include_usage"))
-        return StreamingResponse(_sse(reply, usage), media_type="text/event-stream",
-                                 headers=headers)
+        return _respond(reply, timing, req.stream, req.stream_options, "chat.completion.chunk",
+                        _chat_chunks)
 
     @app.post("/sessions/{episode_id}/v1/completions", response_model=None)
     async def completions(episode_id: str, req: CompletionRequest) -> Any:
         reply, timing = await gateway.complete(episode_id, CompletionCall(
             prompt=req.prompt, max_tokens=req.max_tokens, model=req.model))
-        headers = {"Server-Timing": timing.header()}
-        if not req.stream:
-            return JSONResponse(reply, headers=headers)
-        usage = bool((req.stream_options or {}).get("include_usage"))
-        return StreamingResponse(_sse_completion(reply, usage), media_type="text/event-stream",
-                                 headers=headers)
+        return _respond(reply, timing, req.stream, req.stream_options, "text_completion",
+                        _completion_chunks)
 
     @app.get("/sessions/{episode_id}/v1/models")
     async def models(episode_id: str) -> dict[str, Any]:
@@ -248,59 +241,57 @@ def create_app(settings: GatewaySettings, public_url: str = "") -> FastAPI:
     return app
 
 
-def _sse(reply: dict[str, Any], usage: bool) -> AsyncIterator[bytes]:
-    """The whole reply as OpenAI's chunk stream: the role, the content, the tool calls, the
-    finish reason (and the usage when asked), then `[DONE]`. The gateway streams a call once
-    its generation has finished: the first chunk comes when the reply is whole."""
+def _respond(reply: dict[str, Any], timing: CallTiming, stream: bool,
+             stream_options: dict[str, Any] | None, object_name: str,
+             choices: Callable[[dict[str, Any]], list[dict[str, Any]]]) -> Response:
+    """A call's reply, whole or as OpenAI's chunk stream (`object_name` chunks, one per choice
+    `choices` makes of the reply, the usage when asked, then `[DONE]`). The gateway streams a
+    call once its generation has finished: the first chunk comes when the reply is whole."""
+    headers = {"Server-Timing": timing.header()}
+    if not stream:
+        return JSONResponse(reply, headers=headers)
+    base = {"id": reply["id"], "object": object_name, "created": reply["created"],
+            "model": reply["model"]}
+    usage = bool((stream_options or {}).get("include_usage"))
+
+    async def events() -> AsyncIterator[bytes]:
+        for choice in choices(reply):
+            yield _event({**base, "choices": [choice]})
+        if usage:
+            yield _event({**base, "choices": [], "usage": reply["usage"]})
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+def _event(body: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
+
+
+def _chat_chunks(reply: dict[str, Any]) -> list[dict[str, Any]]:
+    """The role, the content, each tool call, then the finish reason."""
     choice = reply["choices"][0]
     message = choice["message"]
-    base = {"id": reply["id"], "object": "chat.completion.chunk", "created": reply["created"],
-            "model": reply["model"]}
-
-    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-        body = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                     "finish_reason": finish}], **extra}
-        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
-
-    async def gen() -> AsyncIterator[bytes]:
-        yield chunk({"role": "assistant", "content": ""})
-        if message.get("content"):
-            yield chunk({"content": message["content"]})
-        for i, tc in enumerate(message.get("tool_calls") or ()):
-            yield chunk({"tool_calls": [{"index": i, **tc}]})
-        yield chunk({}, choice["finish_reason"])
-        if usage:
-            body = {**base, "choices": [], "usage": reply["usage"]}
-            yield f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-
-    return gen()
+    deltas = [{"role": "assistant", "content": ""}]
+    if message.get("content"):
+        deltas.append({"content": message["content"]})
+    deltas += [{"tool_calls": [{"index": i, **tc}]}
+               for i, tc in enumerate(message.get("tool_calls") or ())]
+    deltas.append({})
+    return [{"index": 0, "delta": d, "logprobs": None,
+             "finish_reason": choice["finish_reason"] if i == len(deltas) - 1 else None}
+            for i, d in enumerate(deltas)]
 
 
-def _sse_completion(reply: dict[str, Any], usage: bool) -> AsyncIterator[bytes]:
-    """A completions reply as OpenAI's chunk stream: the text, the finish reason (and the usage
-    when asked), then `[DONE]`."""
+def _completion_chunks(reply: dict[str, Any]) -> list[dict[str, Any]]:
+    """The text, then the finish reason."""
     choice = reply["choices"][0]
-    base = {k: reply[k] for k in ("id", "object", "created", "model")}
-
-    async def gen() -> AsyncIterator[bytes]:
-        for text, finish in ((choice["text"], None), ("", choice["finish_reason"])):
-            body = {**base, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                         "finish_reason": finish}]}
-            yield f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
-        if usage:
-            body = {**base, "choices": [], "usage": reply["usage"]}
-            yield f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-
-    return gen()
+    return [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            for text, finish in ((choice["text"], None), ("", choice["finish_reason"]))]
 
 
-def serve(settings: GatewaySettings, host: str = "127.0.0.1", port: int = 8100,
-          public_url: str | None = None) -> None:
-    """Run the gateway in the foreground until interrupted."""
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8100) -> None:
+    """Run the gateway (`create_app`) in the foreground until interrupted."""
     import uvicorn
-    url = public_url or f"http://{host}:{port}"
-    uvicorn.run(create_app(settings, url), host=host, port=port, log_level="warning",
-                timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
 

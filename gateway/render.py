@@ -29,6 +29,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
+from pydantic import ValidationError
+
+from sim.server.errors import ApiError
+from sim.server.prompts import chat_prompt
+from sim.server.protocol import TokenizeChatRequest
+from sim.server.tokenizer import SimTokenizer
 
 _FRAME = [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "ok"}]
 
@@ -83,7 +89,11 @@ class HfTemplate:
     def __init__(self, name_or_path: str) -> None:
         from transformers import AutoTokenizer  # only here: the gateway needs it for this
 
-        self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        except Exception as exc:  # noqa: BLE001 - any failure to load is the option's
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ValueError(f"tokenizer: cannot load {name_or_path!r}: {first}") from None
 
     async def render(self, messages: list[dict[str, Any]], tools: list[dict] | None,
                      generation_prompt: bool) -> list[int]:
@@ -103,18 +113,10 @@ class SimTemplate:
     """The simulated engines' tokenizer and chat template (the code their `/tokenize` runs)."""
 
     def __init__(self, vocab_size: int) -> None:
-        from sim.server.tokenizer import SimTokenizer
-
         self.tokenizer = SimTokenizer(vocab_size)
 
     async def render(self, messages: list[dict[str, Any]], tools: list[dict] | None,
                      generation_prompt: bool) -> list[int]:
-        from pydantic import ValidationError
-
-        from sim.server.errors import ApiError
-        from sim.server.prompts import chat_prompt
-        from sim.server.protocol import TokenizeChatRequest
-
         try:
             req = TokenizeChatRequest(messages=messages, tools=tools,
                                       add_generation_prompt=generation_prompt)

@@ -431,7 +431,7 @@ def gateway(
     import logging
 
     from broker.redis_conn import check_redis_url
-    from gateway.app import serve
+    from gateway.app import create_app, serve
     from gateway.service import GatewaySettings
     from workers.runner import RunnerSettings
 
@@ -446,23 +446,17 @@ def gateway(
             if not value > 0:
                 raise ValueError(f"{name}: must be a positive number of seconds, not {value}")
         check_redis_url(redis_url)
-        from workers.tools import load_registry
-        load_registry(tool_config)  # a bad entry is named here, before the gateway starts
-        if tokenizer not in ("engine", "sim"):
-            try:
-                from transformers import AutoTokenizer
-                AutoTokenizer.from_pretrained(tokenizer)
-            except Exception as exc:  # noqa: BLE001 - any failure to load is the option's
-                raise ValueError(f"tokenizer: cannot load {tokenizer!r}: "
-                                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
         settings = GatewaySettings(redis_url=redis_url, namespace=namespace,
                                    admission_timeout_s=admission_timeout,
                                    call_timeout_s=call_timeout, token=token or None,
                                    tokenizer=tokenizer, tool_config=tool_config,
                                    runner=RunnerSettings(request_timeout_s=call_timeout))
+        # A tokenizer that does not load, or a bad reward registry entry, is named here, before
+        # anything serves; each is loaded once.
+        app = create_app(settings, public_url or f"http://{host}:{port}")
     except ValueError as exc:
         raise _usage_error("gateway", exc) from None
-    serve(settings, host=host, port=port, public_url=public_url)
+    serve(app, host=host, port=port)
 
 
 if __name__ == "__main__":
