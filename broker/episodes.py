@@ -114,7 +114,6 @@ class EpisodeView:
     agent_wait_s: float = 0.0
     kv_token_s: float = 0.0
     releases: int = 0  # times its charge was released while the agent idled
-    asked: bool = False  # it has asked for admission before (the front of the queue next)
     requeued_from: str | None = None  # a dead backend it was taken back from
 
     @property
@@ -125,7 +124,7 @@ class EpisodeView:
 
 _VIEW_FIELDS = ("state", "workload", "backend", "turns", "mark", "context_tokens",
                 "enqueued_at", "admitted_at", "last_call_at", "agent_wait_s", "kv_token_s",
-                "releases", "asked", "requeued_from", "driver")
+                "releases", "requeued_from", "driver")
 
 
 def _float(v: Any) -> float | None:
@@ -143,7 +142,7 @@ def read_view(keys: Keys, sid: str) -> Plan[EpisodeView]:
         context_tokens=int(f["context_tokens"] or 0), enqueued_at=_float(f["enqueued_at"]),
         admitted_at=_float(f["admitted_at"]), last_call_at=_float(f["last_call_at"]),
         agent_wait_s=float(f["agent_wait_s"] or 0.0), kv_token_s=float(f["kv_token_s"] or 0.0),
-        releases=int(f["releases"] or 0), asked=f["asked"] == "1",
+        releases=int(f["releases"] or 0),
         requeued_from=f["requeued_from"])
 
 

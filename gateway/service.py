@@ -573,9 +573,10 @@ class Gateway:
         waiter = self._waiters.setdefault(sid, asyncio.Event())
         try:
             while True:
-                if view.state == "parked":
+                if view.state == "parked":  # never admitted yet, or released: then the front
                     await self._redis_call(request_admission, self.keys,
-                                           session_for(spec, prompt, view.turns), view.asked)
+                                           session_for(spec, prompt, view.turns),
+                                           view.releases > 0)
                 elif view.state in ("admitted", "running") and view.backend:
                     deadline = time.time() + self.settings.call_timeout_s
                     began = await self._redis_call(begin_call, self.keys, sid, view.backend,

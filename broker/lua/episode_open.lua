@@ -8,6 +8,6 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return 'exists'
 end
 redis.call('HSET', KEYS[1], 'state', 'parked', 'workload', ARGV[2], 'driver', 'agent',
-  'enqueued_at', ARGV[4], 'turns', 0, 'asked', 0)
+  'enqueued_at', ARGV[4], 'turns', 0)
 redis.call('SET', KEYS[2], ARGV[3])
 return 'ok'

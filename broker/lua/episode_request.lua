@@ -19,7 +19,7 @@ if state ~= 'parked' then
 end
 local id = redis.call('XADD', KEYS[3], '*', 'sid', ARGV[1])
 redis.call('SET', KEYS[2], ARGV[2])
-redis.call('HSET', KEYS[1], 'state', 'pending', 'pending_entry', id, 'asked', 1)
+redis.call('HSET', KEYS[1], 'state', 'pending', 'pending_entry', id)
 redis.call('HDEL', KEYS[1], 'requeued_from')
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', '10000', '*', 'kind', 'episode', 'backend', '')
 return 'queued'
