@@ -32,6 +32,9 @@ BASELINES = ("round_robin", "least_loaded", "power_of_two", "cache_aware", SWEPT
 # A scenario is contended when its best router baseline preempts more than this per finished
 # session (docs/measurement.md).
 CONTENDED_PREEMPTIONS_PER_SESSION = 0.01
+# A scenario leaves room for a policy to beat the routers when its fluid bound is at least this
+# many times the best baseline's throughput; the headroom a policy takes is summarised over those.
+ROOM_ABOVE = 1.2
 
 
 @dataclass(frozen=True)

@@ -156,14 +156,25 @@ def print_table(console: Console, scenario: str, results: dict[str, FleetResult]
     print_weight_updates(console, results)
     any_result = next(iter(results.values()), None)
     if bound is not None:
-        console.print(f"fluid bound {bound.tokens_per_s:,.0f} tok/s: {bound.seqs_per_engine:.0f} "
+        barrier = (f", the sync steps' slowest sessions {100 * bound.barrier_share:.0f}% of "
+                   "the time" if bound.barrier_share else "")
+        console.print(f"fluid bound {bound.tokens_per_s:,.0f} tok/s: {bound.seqs_per_engine:.1f} "
                       f"sequences per engine (limited by {bound.limited_by}), mean context "
                       f"{bound.mean_context:,.0f} tokens ({bound.mean_kv_context:,.0f} in KV "
                       f"with shared prompt blocks held once), {bound.prefill_per_output:.2f} prefill "
-                      "tokens per output token (sim/bound.py)")
+                      f"tokens and {1000 * bound.outside_per_output:.1f} ms off the engine per "
+                      f"output token, {100 * bound.waits_kept:.0f}% of tool waits kept in KV"
+                      f"{barrier} (sim/bound.py)")
         if room is not None and room["bound_x_best"] is not None:
+            best = room["best_tokens_per_s"]
             console.print(f"no policy can exceed {room['bound_x_best']:.2f}× the best baseline "
-                          f"({room['best_baseline']}, {room['best_tokens_per_s']:,.0f} tok/s) here")
+                          f"({room['best_baseline']}, {best:,.0f} tok/s) here")
+            if bound.tokens_per_s > best:
+                taken = ", ".join(
+                    f"{n} {100 * (r.metrics.tokens_per_s - best) / (bound.tokens_per_s - best):.0f}%"
+                    for n, r in results.items() if n not in BASELINES)
+                if taken:
+                    console.print(f"headroom taken, (policy − best) ÷ (bound − best): {taken}")
     if any_result is not None:
         console.print(f"drift floor at this batch size (independent draws of π): "
                       f"{any_result.metrics.drift.floor:.3f}")

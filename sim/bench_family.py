@@ -33,6 +33,7 @@ from broker.policies.cache_aware import cache_aware_grid
 from sim.bench import (
     BASELINES,
     CONTENDED_PREEMPTIONS_PER_SESSION,
+    ROOM_ABOVE,
     SWEPT,
     RunSpec,
     check_policies,
@@ -45,7 +46,7 @@ from sim.bench import (
 from sim.bound import fluid_bound
 from sim.family import describe, load_family, sample_family
 from sim.fleet import FleetResult
-from sim.metrics import start_up_speed
+from sim.metrics import first_tenth_speed, start_up_speed
 from sim.scenario import Scenario, load_scenario, parse_scenario
 from sim.scenario_checks import scenario_warnings
 
@@ -119,11 +120,13 @@ def run_scenarios(paths: Sequence[str], policies: Sequence[str], jobs: int,
     return results, params
 
 
-def ratios(results: dict[str, FleetResult], bound: float) -> dict[str, dict[str, float | None]]:
+def ratios(results: dict[str, FleetResult], bound: float,
+           iterations: int) -> dict[str, dict[str, float | None]]:
     """Per policy: throughput / the best router baseline's (whole run, steady state, cold start:
-    each against the best baseline in that phase), throughput / the fluid bound, and how fast
-    it completed the trainer's first iterations against the quickest baseline
-    (`metrics.start_up_speed`)."""
+    each against the best baseline in that phase), throughput / the fluid bound, the headroom
+    it took ((policy − best) / (bound − best), None where the bound leaves none), and how fast
+    it completed the trainer's first iterations (`metrics.start_up_speed`) and the first 10% of
+    the run's `iterations` (`metrics.first_tenth_speed`) against the quickest baseline."""
     base = [r.metrics for n, r in results.items() if n in BASELINES]
     best = max((m.tokens_per_s for m in base), default=None)
     best_steady = max((m.steady.tokens_per_s for m in base if m.steady is not None),
@@ -139,7 +142,10 @@ def ratios(results: dict[str, FleetResult], bound: float) -> dict[str, dict[str,
             "x_best_cold": (m.cold.tokens_per_s / best_cold
                             if m.cold is not None and best_cold else None),
             "start_up_speed": start_up_speed(m, base),
+            "first_tenth_speed": first_tenth_speed(m, base, iterations),
             "of_bound": m.tokens_per_s / bound,
+            "headroom_taken": ((m.tokens_per_s - best) / (bound - best)
+                               if best and bound > best else None),
         }
     return out
 
@@ -161,6 +167,30 @@ def summarize_headroom(rooms: Sequence[dict[str, Any] | None],
             "contended_geomean_bound_x_best": geomean(contended) if contended else None}
 
 
+def summarize_headroom_taken(rows: Sequence[dict[str, dict[str, float | None]]],
+                             rooms: Sequence[dict[str, Any] | None], policies: Sequence[str],
+                             room_above: float = ROOM_ABOVE) -> dict[str, dict[str, Any]]:
+    """Per policy, over the scenarios where the bound leaves room (at least `room_above`× the
+    best baseline): the geometric means of its ×best and of the bound's, and the share of the
+    geometric-mean headroom it took, log(its) / log(the bound's). Per scenario the share is
+    (policy − best) / (bound − best), which a loss makes negative: its geometric mean is
+    undefined, the share of the geometric means is not."""
+    with_room = [i for i, h in enumerate(rooms)
+                 if h is not None and (h["bound_x_best"] or 0.0) >= room_above]
+    out: dict[str, dict[str, Any]] = {}
+    for name in policies:
+        pairs = [(rows[i][name]["x_best"], rooms[i]["bound_x_best"]) for i in with_room
+                 if rows[i][name]["x_best"]]
+        if not pairs:
+            out[name] = {"scenarios": 0, "room_above": room_above}
+            continue
+        mine, ceiling = geomean([x for x, _ in pairs]), geomean([b for _, b in pairs])
+        out[name] = {"scenarios": len(pairs), "room_above": room_above,
+                     "geomean_x_best": mine, "geomean_bound_x_best": ceiling,
+                     "taken": math.log(mine) / math.log(ceiling)}
+    return out
+
+
 def geomean(xs: Sequence[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
@@ -176,7 +206,8 @@ def bench_family(family_path: str, samples: int, seed: int, policies: list[str],
         bounds = [fluid_bound(s, p) for s, p in zip(scenarios, paths)]
         warnings = [scenario_warnings(s, p) for s, p in zip(scenarios, paths)]
         results, params = run_scenarios(paths, policies, jobs, console)
-    rows = [ratios(r, b.tokens_per_s) for r, b in zip(results, bounds)]
+    rows = [ratios(r, b.tokens_per_s, s.trainer.iterations)
+            for r, b, s in zip(results, bounds, scenarios)]
     rooms = [headroom(r, b.tokens_per_s) for r, b in zip(results, bounds)]
     report = {
         "family": spec.name, "family_file": family_path, "samples": samples, "seed": seed,
@@ -188,6 +219,7 @@ def bench_family(family_path: str, samples: int, seed: int, policies: list[str],
                                                         results, params)],
         "summary": summarize_family(rows, policies),
         "headroom": summarize_headroom(rooms),
+        "headroom_taken": summarize_headroom_taken(rows, rooms, policies),
     }
     print_family(console, report, policies)
     if json_out:
@@ -207,7 +239,8 @@ def summarize_family(rows: Sequence[dict[str, dict[str, float | None]]],
     for name in policies:
         summary: dict[str, float | int | None] = {}
         present: dict[str, list[float]] = {}
-        for key in ("x_best", "x_best_steady", "x_best_cold", "start_up_speed"):
+        for key in ("x_best", "x_best_steady", "x_best_cold", "start_up_speed",
+                    "first_tenth_speed"):
             xs = present[key] = [r[name][key] for r in rows if r[name][key]]
             summary[f"min_{key}"] = min(xs, default=None)
             summary[f"geomean_{key}"] = geomean(xs) if xs else None
@@ -222,6 +255,12 @@ def summarize_family(rows: Sequence[dict[str, dict[str, float | None]]],
 
 def _f(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _taken(h: dict[str, Any]) -> str:
+    if not h["scenarios"]:
+        return "-"
+    return f"{100 * h['taken']:.0f}% of {h['geomean_bound_x_best']:.2f}× ({h['scenarios']})"
 
 
 def print_family(console: Console, report: dict[str, Any], policies: Sequence[str]) -> None:
@@ -239,15 +278,18 @@ def print_family(console: Console, report: dict[str, Any], policies: Sequence[st
                     "quickest baseline)")
     for col in ("policy", "min ×best", "geomean ×best", "min ×best steady",
                 "geomean ×best steady", "min ×best cold", "geomean ×best cold", "min start-up",
-                "geomean start-up", "wins", "mean % of bound"):
+                "geomean start-up", "min first 10%", "geomean first 10%", "wins",
+                "mean % of bound", "headroom taken"):
         s.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "policy")
     for n in policies:
         m = report["summary"][n]
         s.add_row(n, _f(m["min_x_best"]), _f(m["geomean_x_best"]), _f(m["min_x_best_steady"]),
                   _f(m["geomean_x_best_steady"]), _f(m["min_x_best_cold"]),
                   _f(m["geomean_x_best_cold"]), _f(m["min_start_up_speed"]),
-                  _f(m["geomean_start_up_speed"]), f"{m['wins']}/{m['scenarios']}",
-                  _f(100 * m["mean_of_bound"] if m["mean_of_bound"] is not None else None, ".0f"))
+                  _f(m["geomean_start_up_speed"]), _f(m["min_first_tenth_speed"]),
+                  _f(m["geomean_first_tenth_speed"]), f"{m['wins']}/{m['scenarios']}",
+                  _f(100 * m["mean_of_bound"] if m["mean_of_bound"] is not None else None, ".0f"),
+                  _taken(report["headroom_taken"][n]))
     console.print(s)
     for sc in report["scenarios"]:
         room = sc["headroom"]
@@ -262,6 +304,9 @@ def print_family(console: Console, report: dict[str, Any], policies: Sequence[st
             f"{h['contended']} contended scenarios (best baseline preempting more than "
             f"{h['contended_above']:g} per finished session) at most "
             f"{_f(h['contended_min_bound_x_best'])}× on the tightest")
+    console.print(f"headroom taken: over the scenarios whose bound is at least {ROOM_ABOVE:g}× the "
+                  "best baseline, log(geomean ×best) ÷ log(geomean bound ×best); per scenario "
+                  "(policy − best) ÷ (bound − best) is in the JSON report")
 
 
 def plot_family(report: dict[str, Any], policies: Sequence[str], out_dir: str) -> list[Path]:
@@ -326,9 +371,9 @@ def bench_sweep(scenario_path: str, sweep: str, policies: list[str], json_out: s
     report = {
         "scenario": base.name, "scenario_file": scenario_path, "key": key, "values": values,
         "points": [{"value": v, "bound": asdict(b), "headroom": headroom(r, b.tokens_per_s),
-                    "ratios": ratios(r, b.tokens_per_s),
+                    "ratios": ratios(r, b.tokens_per_s, s.trainer.iterations),
                     "policies": {n: result_json(r[n], p[n]) for n in policies}}
-                   for v, b, r, p in zip(values, bounds, results, params)],
+                   for v, b, r, p, s in zip(values, bounds, results, params, scenarios)],
     }
     t = Table(title=f"{base.name}: tok/s (steady) against {key}")
     t.add_column(key, justify="right")

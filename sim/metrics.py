@@ -7,6 +7,8 @@ about engines or the event loop, so each definition is tested on numbers worked 
 
 from __future__ import annotations
 
+import math
+
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -274,7 +276,19 @@ def start_up_speed(policy: RunMetrics, baselines: Sequence[RunMetrics]) -> float
     counts = [m.cold.iterations for m in baselines if m.cold is not None]
     if not counts:
         return None
-    k = max(1, min(counts))
+    return iterations_speed(policy, baselines, max(1, min(counts)))
+
+
+def first_tenth_speed(policy: RunMetrics, baselines: Sequence[RunMetrics],
+                      iterations: int) -> float | None:
+    """`iterations_speed` over the first 10% of the run's `iterations` (at least one): the
+    start of a run, whatever its length, against the quickest baseline's."""
+    return iterations_speed(policy, baselines, max(1, math.ceil(0.1 * iterations)))
+
+
+def iterations_speed(policy: RunMetrics, baselines: Sequence[RunMetrics], k: int) -> float | None:
+    """(The quickest baseline's time to its k-th iteration) / (the policy's); None without a
+    baseline that got there, or when the policy did not."""
     times = [m.iteration_done_s[k - 1] for m in baselines if len(m.iteration_done_s) >= k]
     if not times or len(policy.iteration_done_s) < k:
         return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from typer.testing import CliRunner
 
 from rollout_broker.cli import app
 from sim.family import FamilySpec, load_family, sample_family
-from sim.bench_family import parse_sweep, summarize_headroom, with_field
+from sim.bench_family import parse_sweep, summarize_headroom, summarize_headroom_taken, with_field
 from sim.scenario import ScenarioError, load_scenario
 
 FAMILY = "scenarios/family.yaml"
@@ -81,7 +82,7 @@ def test_family_bench_reports_ratios_min_and_geomean(tmp_path):
         assert best == pytest.approx(1.0)  # ratios are to the best baseline of the scenario
         assert all(0 < sc["ratios"][n]["of_bound"] < 1 for n in sc["ratios"])
         # cold and start-up ratios are to the best baseline in that phase
-        for key in ("x_best_cold", "start_up_speed"):
+        for key in ("x_best_cold", "start_up_speed", "first_tenth_speed"):
             assert max(sc["ratios"][n][key] for n in ("least_loaded", "cache_aware")) == \
                 pytest.approx(1.0)
     s = report["summary"]["misa_t"]
@@ -114,6 +115,19 @@ def test_the_headroom_summary_splits_out_the_contended_scenarios():
     assert h["contended"] == 2
     assert h["contended_min_bound_x_best"] == 1.1
     assert h["contended_geomean_bound_x_best"] == pytest.approx((1.1 * 1.6) ** 0.5)
+
+
+def test_headroom_taken_is_the_share_of_the_geometric_mean_headroom_where_there_is_room():
+    rooms = [{"bound_x_best": 1.5}, {"bound_x_best": 2.0}, {"bound_x_best": 1.1}, None]
+    rows = [{"p": {"x_best": 1.2}}, {"p": {"x_best": 0.9}}, {"p": {"x_best": 1.05}},
+            {"p": {"x_best": 1.0}}]
+    h = summarize_headroom_taken(rows, rooms, ["p"], room_above=1.2)["p"]
+    assert h["scenarios"] == 2  # 1.1× leaves no room; the last has no bound
+    assert h["geomean_x_best"] == pytest.approx((1.2 * 0.9) ** 0.5)
+    assert h["geomean_bound_x_best"] == pytest.approx((1.5 * 2.0) ** 0.5)
+    assert h["taken"] == pytest.approx(math.log((1.2 * 0.9) ** 0.5) / math.log((1.5 * 2.0) ** 0.5))
+    assert summarize_headroom_taken(rows, [None] * 4, ["p"])["p"] == {"scenarios": 0,
+                                                                       "room_above": 1.2}
 
 
 def test_a_sweep_reports_each_points_bound_and_headroom(tmp_path):

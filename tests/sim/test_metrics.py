@@ -9,6 +9,7 @@ from sim.metrics import (
     KvSample,
     SessionRecord,
     Trainer,
+    first_tenth_speed,
     kv_utilisation,
     latency_percentile,
     mean_iteration_time,
@@ -293,3 +294,12 @@ def test_a_staleness_bound_holds_the_producer_to_k_iterations_ahead():
     unbounded = Trainer(FakeSource(), mode="fifo", batch_size=2, mixture={"a": 0.5, "b": 0.5},
                         inflight_bound=100, iterations=10)
     assert len(unbounded.enqueue(0.0)) > 10
+
+
+def test_the_first_tenth_of_a_run_is_its_first_ceil_10_percent_of_iterations():
+    a = _Metrics(1, (10.0, 20.0, 30.0, 40.0))
+    b = _Metrics(1, (12.0, 18.0, 33.0, 44.0))
+    policy = _Metrics(1, (9.0, 24.0, 30.0, 41.0))
+    assert first_tenth_speed(policy, [a, b], iterations=4) == pytest.approx(10 / 9)  # k = 1
+    assert first_tenth_speed(policy, [a, b], iterations=11) == pytest.approx(18 / 24)  # k = 2
+    assert first_tenth_speed(policy, [a, b], iterations=50) is None  # k = 5: nobody got there
