@@ -15,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from broker.policies.base import Completion
 from broker.session import SessionResult
 
+# Completions a new broker recalls for its policy on taking the lease (`Policy.recall`):
+# several windows (512 per workload) of the most recent, of the ~10,000 the capped completions
+# stream keeps.
+RECALL_COMPLETIONS = 4096
+
 
 class CompletionStats(BaseModel):
     """What a finished session tells the broker's predictors beyond the trainer's result."""

@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain, islice
 
-from broker.completions import completion_from_entry
+from broker.completions import RECALL_COMPLETIONS, completion_from_entry
 from broker.decision import LedgerEntry, apply_decision, touched_backends
 from broker.episodes import due_releases
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
@@ -114,6 +114,9 @@ class BrokerService:
         self._queue = SessionQueue(self._client, self.keys, self._scripts)
         self.lease = Lease(self._client, self.keys, self._scripts, self.settings.lease_period_s,
                            holder=f"{self.policy.name}@{self.consumer}")
+        # The last completions-stream entry this policy object has learned from (kept across
+        # lease terms: a broker that takes the lease back recalls only what it missed).
+        self._learned_through: str | None = None
         self._reset_memory()
         self.admitted_total = 0  # sessions this process admitted (for benchmarks and logs)
 
@@ -126,7 +129,8 @@ class BrokerService:
         self._unreadable: set[str] = set()  # resident sessions whose state hash did not parse
         self._workloads: tuple[str, ...] = ()
         self._last_completion_id = "0-0"
-        self._completions: list[Completion] = []
+        self._completions: list[Completion] = []  # read, not yet handed to the policy
+        self._completions_through: str | None = None  # ... the last of them, by entry id
         self._backend_ids: tuple[str, ...] = ()
         self._watch_since = time.monotonic()  # since when this term has seen Redis answer
         self._orphans_checked = time.monotonic()
@@ -200,12 +204,28 @@ class BrokerService:
         ensure_group(self._client, self.keys.events, BROKER_GROUP, start_id="$")
         last = self._client.xrevrange(self.keys.completions, count=1)
         self._last_completion_id = as_text(last[0][0]) if last else "0-0"
+        self._recall()
         fleet = self._read_fleet()
         self._refresh_workloads(fleet.workloads)
         for w in self._workloads:
             for stream, front in ((self.keys.requeue(w), True), (self.keys.pending(w), False)):
                 self._claim_backlog(stream, front)
         self._drop_stale_events()
+
+    def _recall(self) -> None:
+        """Hand the policy the completions it has not learned from, the last
+        RECALL_COMPLETIONS of them: a restarted broker, a standby taking over or a new run in
+        the namespace starts from what the namespace knows, not from the caps."""
+        after = self._learned_through
+        entries = self._client.xrevrange(self.keys.completions, min=f"({after}" if after else "-",
+                                         count=RECALL_COMPLETIONS)
+        if not entries:
+            return
+        self._learned_through = as_text(entries[0][0])
+        history = [c for _, f in reversed(entries) if (c := completion_from_entry(f)) is not None]
+        if history:
+            self.policy.recall(history)
+            log.info("recalled %d completions from %s", len(history), self.keys.completions)
 
     def _drop_stale_events(self) -> None:
         """Wake-ups a dead broker read but never acked: claim, ack and delete them (they only
@@ -358,7 +378,7 @@ class BrokerService:
 
     def _take_completions(self, fleet: FleetRead) -> None:
         for entry_id, fields in fleet.completions:
-            self._last_completion_id = entry_id
+            self._last_completion_id = self._completions_through = entry_id
             c = completion_from_entry(fields)
             if c is not None:
                 self._completions.append(c)
@@ -531,6 +551,8 @@ class BrokerService:
         self._expire_unrunnable(weights, fleet)
         pending = self._pending_view()
         completions, self._completions = self._completions, []
+        if self._completions_through is not None:
+            self._learned_through = self._completions_through
         if not any(pending.values()) and not completions:
             return 0
         now = time.time()

@@ -191,6 +191,7 @@ def bench(
     plots: Annotated[Optional[str], typer.Option(help="write PNG plots into this directory")] = None,
     jobs: Annotated[int, typer.Option(help="simulations in parallel processes")] = 1,
     sweep_iterations: Annotated[Optional[int], typer.Option(help="iterations per cache_aware_swept grid point (default: whole runs, on the evaluation seed + 1)")] = None,
+    warm_start: Annotated[bool, typer.Option(help="each policy that learns first recalls the completions of an earlier run of the scenario (its seed − 1), as a broker recalls the namespace's from Redis")] = False,
 ) -> None:
     """Simulate policies side by side on a scenario (or a family of them) and compare them (docs/misa-t.md)."""
     from rich.console import Console
@@ -210,15 +211,19 @@ def bench(
             raise ValueError(f"samples: {samples} must be at least 1")
         if sweep is not None and scenario is None:
             raise ValueError("sweep: needs --scenario (one scenario over a parameter)")
+        if sweep is not None and warm_start:
+            raise ValueError("warm-start: not with --sweep")
         names = parse_policies(policies)
         console = Console(stderr=True, width=230) if not Console(stderr=True).is_terminal \
             else Console(stderr=True)
         if family is not None:
-            bench_family(family, samples, seed or 0, names, json_out, plots, jobs, console)
+            bench_family(family, samples, seed or 0, names, json_out, plots, jobs, console,
+                         warm_start)
         elif sweep is not None:
             bench_sweep(scenario, sweep, names, json_out, plots, jobs, console)
         else:
-            run_bench(scenario, names, seed, json_out, plots, jobs, sweep_iterations)
+            run_bench(scenario, names, seed, json_out, plots, jobs, sweep_iterations,
+                      warm_start=warm_start)
     except (ScenarioError, SimulationError, ValueError, FileNotFoundError) as e:
         raise _usage_error("bench", e) from None
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from broker.completions import RECALL_COMPLETIONS
 from broker.policies import make_policy, policy_names
+from broker.policies.base import Policy
 from sim.fleet import FleetResult, FleetSim
 from sim.scenario import Scenario, load_scenario, parse_scenario
 from sim.workloads.source import make_source
@@ -44,6 +46,9 @@ class RunSpec:
     policy: str
     params: tuple[tuple[str, Any], ...] = ()
     iterations: int | None = None  # override the scenario's (sweeps run short)
+    # Start from an earlier run of the same job (`earlier_run_seed`): the policy recalls its
+    # completions first, as a broker recalls the namespace's from Redis.
+    warm: bool = False
 
 
 def known_policies() -> list[str]:
@@ -77,7 +82,16 @@ def run_one(scenario_path: str, seed: int | None, spec: RunSpec,
     if spec.policy == TRUE_LENGTHS:
         params["true_output_lengths"] = sim.true_output_lengths
     sim.policy = make_policy(spec.policy, **params)
+    if spec.warm and type(sim.policy).recall is not Policy.recall:
+        earlier = run_one(scenario_path, earlier_run_seed(scenario.seed), replace(spec, warm=False))
+        sim.policy.recall(earlier.completions[-RECALL_COMPLETIONS:])
     return sim.run()
+
+
+def earlier_run_seed(scenario_seed: int) -> int:
+    """The seed of the earlier run a warm start recalls: neither the evaluated one nor the
+    swept router's (`sweep_seed`)."""
+    return scenario_seed - 1
 
 
 def _run_in_worker(args: tuple[str, int | None, RunSpec]) -> FleetResult:

@@ -35,7 +35,7 @@ from sim.scenario_checks import scenario_warnings
 
 def bench(scenario_path: str, policies: list[str], seed: int | None, json_out: str | None,
           plots_dir: str | None, jobs: int, sweep_iterations: int | None,
-          console: Console | None = None) -> dict[str, Any]:
+          console: Console | None = None, warm_start: bool = False) -> dict[str, Any]:
     if console is None:
         console = Console(stderr=True)
         if not console.is_terminal:
@@ -65,7 +65,7 @@ def bench(scenario_path: str, policies: list[str], seed: int | None, json_out: s
             if name == SWEPT:
                 specs.append(RunSpec("cache_aware", tuple(sorted(params[SWEPT].items()))))
             else:
-                specs.append(RunSpec(name))
+                specs.append(RunSpec(name, warm=warm_start))
                 params[name] = {}
         tasks = {name: progress.add_task(name, total=scenario.trainer.iterations) for name in policies}
         if jobs <= 1:
@@ -91,6 +91,7 @@ def bench(scenario_path: str, policies: list[str], seed: int | None, json_out: s
         "scenario": scenario.name,
         "scenario_file": str(scenario_path),
         "seed": scenario.seed,
+        "warm_start": warm_start,
         "parameters": scenario.model_dump(mode="json"),
         "bound": asdict(bound),
         "headroom": room,

@@ -88,9 +88,11 @@ def _progress(console: Console) -> Progress:
                     TimeElapsedColumn(), console=console, transient=False)
 
 
-def run_scenarios(paths: Sequence[str], policies: Sequence[str], jobs: int,
-                  console: Console) -> tuple[list[dict[str, FleetResult]], list[dict[str, dict]]]:
-    """Every policy on every scenario file: per scenario, results and params by policy."""
+def run_scenarios(paths: Sequence[str], policies: Sequence[str], jobs: int, console: Console,
+                  warm_start: bool = False
+                  ) -> tuple[list[dict[str, FleetResult]], list[dict[str, dict]]]:
+    """Every policy on every scenario file: per scenario, results and params by policy (with
+    `warm_start`, each policy that learns recalls an earlier run of the scenario first)."""
     params: list[dict[str, dict]] = [{} for _ in paths]
     with _progress(console) as progress:
         if SWEPT in policies:
@@ -109,7 +111,7 @@ def run_scenarios(paths: Sequence[str], policies: Sequence[str], jobs: int,
         for i, p in enumerate(paths):
             for name in policies:
                 spec = (RunSpec("cache_aware", tuple(sorted(params[i][SWEPT].items())))
-                        if name == SWEPT else RunSpec(name))
+                        if name == SWEPT else RunSpec(name, warm=warm_start))
                 params[i].setdefault(name, {})
                 tasks.append((p, None, spec))
         bar = progress.add_task(f"{len(policies)} policies × {len(paths)} scenarios",
@@ -197,7 +199,7 @@ def geomean(xs: Sequence[float]) -> float:
 
 def bench_family(family_path: str, samples: int, seed: int, policies: list[str],
                  json_out: str | None, plots_dir: str | None, jobs: int,
-                 console: Console) -> dict[str, Any]:
+                 console: Console, warm_start: bool = False) -> dict[str, Any]:
     check_policies(policies)
     spec = load_family(family_path)
     scenarios = sample_family(spec, family_path, samples, seed)
@@ -205,12 +207,13 @@ def bench_family(family_path: str, samples: int, seed: int, policies: list[str],
         paths = [_write(s, Path(tmp)) for s in scenarios]
         bounds = [fluid_bound(s, p) for s, p in zip(scenarios, paths)]
         warnings = [scenario_warnings(s, p) for s, p in zip(scenarios, paths)]
-        results, params = run_scenarios(paths, policies, jobs, console)
+        results, params = run_scenarios(paths, policies, jobs, console, warm_start)
     rows = [ratios(r, b.tokens_per_s, s.trainer.iterations)
             for r, b, s in zip(results, bounds, scenarios)]
     rooms = [headroom(r, b.tokens_per_s) for r, b in zip(results, bounds)]
     report = {
         "family": spec.name, "family_file": family_path, "samples": samples, "seed": seed,
+        "warm_start": warm_start,
         "scenarios": [{
             "name": s.name, "describe": describe(s), "parameters": s.model_dump(mode="json"),
             "bound": asdict(b), "headroom": room, "scenario_warnings": w, "ratios": row,

@@ -138,6 +138,9 @@ class FleetResult:
     sim_time_s: float
     decide_calls: int
     parked: int = 0  # agent-driven episodes released after idle_timeout_s between calls
+    # Every completion handed to the policy, in order: what a later run of the same job
+    # recalls (`Policy.recall`, bench --warm-start).
+    completions: tuple[Completion, ...] = ()
 
 
 class FleetSim:
@@ -185,7 +188,8 @@ class FleetSim:
             b: LedgerEntry(capacity_tokens=e.num_gpu_blocks * e.block_size)
             for b, e in self.engines.items()}
         self.telemetry: dict[str, Telemetry] = {}
-        self.completions: list[Completion] = []
+        self.completions: list[Completion] = []  # finished since the last decide()
+        self.learned: list[Completion] = []  # every completion handed to the policy
         self.records: list[SessionRecord] = []
         self.enqueued: list[tuple[SimSession, float]] = []  # every session, with when (for traces)
         self.kv_samples: list[KvSample] = []
@@ -394,6 +398,7 @@ class FleetSim:
             consumed=dict(self.trainer.consumed),
             new_completions=tuple(self.completions),
         )
+        self.learned.extend(self.completions)
         self.completions = []
         self.decide_calls += 1
         self._apply(self.policy.decide(snapshot))
@@ -799,5 +804,5 @@ class FleetSim:
             policy=self.policy.name, metrics=metrics, iterations=list(iterations),
             sessions=list(self.records), kv_samples=self.kv_samples, engines=engines,
             completed=self.trainer.done, sim_time_s=self.now, decide_calls=self.decide_calls,
-            parked=self.parked,
+            parked=self.parked, completions=tuple(self.learned),
         )

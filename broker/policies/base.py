@@ -9,7 +9,7 @@ have no field here, by construction.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import ClassVar
@@ -151,6 +151,11 @@ class Policy(ABC):
     @abstractmethod
     def decide(self, snapshot: Snapshot) -> Decision:
         """Return admissions for some pending items. Never admit an item twice."""
+
+    def recall(self, history: Sequence[Completion]) -> None:
+        """Completions that finished before this policy object existed (kept in Redis: a
+        restarted broker, a standby taking over, a new run in the namespace), oldest first,
+        before the first `decide`. Policies without a model ignore them."""
 
 
 def kv_token_seconds(turns: Iterable[tuple[int, int, float]],

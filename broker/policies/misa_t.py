@@ -46,12 +46,12 @@ while others run (misa_t_control.CompletionPacer).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from broker.policies import register, register_factory
-from broker.policies.base import Decision, Policy, Snapshot
+from broker.policies.base import Completion, Decision, Policy, Snapshot
 from broker.policies.misa_t_admission import AdmissionRound, PrefixKeys
 from broker.policies.misa_t_alpha import AlphaLoop
 from broker.policies.misa_t_book import Book
@@ -164,6 +164,9 @@ class MisaT(Policy):
                            self.prefix_keys, call, accounted, decision).run(snapshot)
             self.book.placed(decision.admissions)
         return decision
+
+    def recall(self, history: Sequence[Completion]) -> None:
+        self.predictions.recall(history)
 
     def _call(self, snapshot: Snapshot) -> Call:
         next_charge = self.predictions.smallest_head_charge(snapshot.pending)  # (models for the heads)

@@ -38,15 +38,31 @@ class Predictions:
         self.models: dict[str, WorkloadModel] = {}
         self.multi_turn_seen = False  # a workload's model has max_turns > 1
         self.max_len = 1 << 30  # smallest max_model_len seen: no context exceeds it
+        # Recalled completions of workloads without a model yet (`recall`): they need its caps.
+        self._recalled: dict[str, list[Completion]] = {}
 
     def model(self, workload: str, max_tokens: int, max_turns: int) -> WorkloadModel:
-        """The workload's model, seeded from these caps if it is the first session seen."""
+        """The workload's model, seeded from these caps if it is the first session seen, and
+        from the completions recalled for it."""
         model = self.models.get(workload)
         if model is None:
             model = WorkloadModel(max_tokens, max_turns, self.config.predictors)
             self.models[workload] = model
             self.multi_turn_seen |= max_turns > 1
+            for c in self._recalled.pop(workload, ()):
+                model.observe(c)
         return model
+
+    def recall(self, history: Sequence[Completion]) -> None:
+        """Learn from completions of an earlier incarnation (`Policy.recall`), oldest first.
+        A workload's model is made from its first session's caps; until then its completions
+        wait (each model keeps only its last window of them anyway)."""
+        for c in history:
+            model = self.models.get(c.workload)
+            if model is not None:
+                model.observe(c)
+            else:
+                self._recalled.setdefault(c.workload, []).append(c)
 
     def admission_output(self, s: PendingItem | ResidentSession) -> float:
         """Output tokens to charge for the turn `s` starts next: a new placement's first (or

@@ -16,6 +16,10 @@ class HeadroomPolicy(Policy):
 
     def __init__(self) -> None:
         self.seen_completions = 0
+        self.recalled: list[str] = []  # session ids of the completions `recall` was handed
+
+    def recall(self, history) -> None:
+        self.recalled.extend(c.session_id for c in history)
 
     def decide(self, snapshot: Snapshot) -> Decision:
         self.seen_completions += len(snapshot.new_completions)

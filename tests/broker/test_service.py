@@ -116,6 +116,32 @@ def test_new_completions_reach_the_policy(redis_url, namespace, fleet):
         client.close()
 
 
+def test_a_new_broker_recalls_what_the_namespace_learned_and_each_completion_once(
+        redis_url, namespace, fleet):
+    fleet("b0")
+    client = RolloutClient(redis_url, namespace)
+    first = BrokerThread(redis_url, namespace).start()
+    try:
+        client.enqueue([make_session(i) for i in range(10)])
+        collect(client, 10)
+    finally:
+        first.stop()
+    # A new run's broker (a restart, a standby): the ten completions before its first decide.
+    second = BrokerThread(redis_url, namespace).start()
+    try:
+        assert wait_until(lambda: second.service.lease.held, timeout=10)
+        assert sorted(second.service.policy.recalled) == sorted(f"s{i}" for i in range(10))
+        client.enqueue([make_session(i) for i in range(10, 15)])
+        collect(client, 5)
+        assert wait_until(lambda: second.service.policy.seen_completions == 5, timeout=10)
+    finally:
+        second.stop()
+        client.close()
+    # Taking the lease again (after losing it), it recalls only what it has not learned.
+    second.service._take_over()
+    assert len(second.service.policy.recalled) == 10
+
+
 def test_a_session_cancelled_while_admitted_is_forgotten_by_the_broker(redis_url, namespace):
     link = WorkerLink(redis_url, namespace, "idle", heartbeat_ttl_s=30.0)
     link.register(100_000, 4096)  # admits, never runs anything

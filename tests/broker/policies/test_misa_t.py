@@ -394,6 +394,19 @@ def test_charge_follows_the_tail_given_progress() -> None:
     assert d.recharge["old"] == 100 + 4000  # everyone past 100 went to 4,000
 
 
+def test_a_recalled_history_charges_the_first_session_what_it_learned_not_the_cap() -> None:
+    cold = make_policy("misa_t")
+    first = cold.decide(snap([view("a")], [pending("new")])).admissions[0].reserved_tokens
+    assert first == 100 + 1000  # prompt + max_tokens: nothing learned yet
+    warm = make_policy("misa_t")
+    # Another workload's completions wait for its model; this one's come before its first session.
+    warm.recall([completion(f"c{i}", out=300) for i in range(20)]
+                + [completion("other", workload="rlvr", out=7000)])
+    charge = warm.decide(snap([view("a")], [pending("new")])).admissions[0].reserved_tokens
+    assert charge == 100 + 300
+    assert list(warm.predictions.model("rlvr", 8000, 1).turn_output.recent) == [7000.0]
+
+
 def _parked(history: int) -> ResidentSession:
     return resident("ag", workload="agentic", reserved=history, prompt=3000, context=history,
                     generated=history - 3000, turn=3, max_tokens=4096, max_turns=50, parked=True)
