@@ -100,14 +100,25 @@ def telemetry(at: float) -> Telemetry:
                      prefix_queries_total=0, prefix_hits_total=0)
 
 
-def fleet(residents: list[tuple[ResidentSession, ...]], beats: list[float], alpha: dict[str, float]
-          ) -> tuple[BackendView, ...]:
-    return tuple(
-        BackendView(backend_id=f"b{b}", capacity_tokens=CAPACITY, max_model_len=65_536,
-                    healthy=True, alpha=alpha.get(f"b{b}", 1.0), telemetry=telemetry(beats[b]),
-                    sessions=residents[b])
-        for b in range(len(residents))
-    )
+def fleet(residents: list[tuple[ResidentSession, ...]], beats: list[float], alpha: dict[str, float],
+          cache: dict[int, BackendView] | None = None) -> tuple[BackendView, ...]:
+    """The views a snapshot carries. With `cache`, a backend whose residents, heartbeat and α
+    did not change keeps its view object, as the live broker's `ViewCache` keeps it."""
+    out = []
+    for b in range(len(residents)):
+        a = alpha.get(f"b{b}", 1.0)
+        old = cache.get(b) if cache is not None else None
+        if (old is not None and old.sessions is residents[b] and old.alpha == a
+                and old.telemetry is not None and old.telemetry.at == beats[b]):
+            out.append(old)
+            continue
+        view = BackendView(backend_id=f"b{b}", capacity_tokens=CAPACITY, max_model_len=65_536,
+                           healthy=True, alpha=a, telemetry=telemetry(beats[b]),
+                           sessions=residents[b])
+        if cache is not None:
+            cache[b] = view
+        out.append(view)
+    return tuple(out)
 
 
 def warm(policy: Policy, pending, rng: random.Random, backends: int) -> None:
@@ -143,6 +154,8 @@ def steady(name: str, calls: int, all_fresh: bool, seed: int, backends: int
             ))
         residents.append(tuple(rs))
     beats = [0.0] * backends
+    ledger_alpha: dict[str, float] = {}  # what the ledger holds: each decision's α changes
+    views: dict[int, BackendView] = {}
     times, admitted = [], 0
     consumed = {w: 0 for w in MIX}
     for i in range(calls):
@@ -156,13 +169,14 @@ def steady(name: str, calls: int, all_fresh: bool, seed: int, backends: int
                     context_tokens=r.context_tokens + progress)
                 for r in residents[b])
             beats[b] = now
-        snap = Snapshot(now=now, pending=pending, backends=fleet(residents, beats, policy.alpha),
+        snap = Snapshot(now=now, pending=pending, backends=fleet(residents, beats, ledger_alpha, views),
                         mixture_target=MIX, consumed=consumed,
                         new_completions=(completion(10_000 + i, rng),))
         t0 = time.perf_counter_ns()
         decision = policy.decide(snap)
         times.append((time.perf_counter_ns() - t0) / 1e6)
         admitted += len(decision.admissions)
+        ledger_alpha.update(decision.alpha)
         gone = {a.session_id for a in decision.admissions}
         for w, items in pending.items():
             kept = [it for it in items if it.session_id not in gone]
