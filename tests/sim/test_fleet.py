@@ -195,6 +195,20 @@ def test_bench_json_is_byte_identical_for_a_seed(tmp_path) -> None:
     assert room["bound_x_best"] == pytest.approx(report["bound"]["tokens_per_s"] / max(tok.values()))
 
 
+def test_a_warm_start_recalls_an_earlier_run_for_the_policies_that_learn() -> None:
+    from sim.bench import RunSpec, earlier_run_seed, run_one
+
+    warm = run_one(QUICK, 3, RunSpec("misa_t", warm=True))
+    cold = run_one(QUICK, 3, RunSpec("misa_t"))
+    assert warm.metrics != cold.metrics  # it started from what the seed-2 run learned
+    earlier = run_one(QUICK, earlier_run_seed(3), RunSpec("misa_t"))
+    # (a completion is handed over when generation ends; a session's record after its reward)
+    assert len(earlier.completions) >= len(earlier.sessions) > 0
+    for name in ("least_loaded", "cache_aware"):  # nothing to recall: the same run
+        assert run_one(QUICK, 3, RunSpec(name, warm=True)).metrics == \
+            run_one(QUICK, 3, RunSpec(name)).metrics
+
+
 def test_bench_cli_names_the_bad_field(tmp_path) -> None:
     from typer.testing import CliRunner
 
