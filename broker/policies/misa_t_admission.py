@@ -212,8 +212,9 @@ class AdmissionRound:
                 if key is not None and key.hashes else None)
         taken, charged = 0, 0.0
         fed: dict[str, float] = {}  # per backend: KV tokens the group's placements allocate there
+        predict = self.predictions
         for it in group:
-            ch = need if it is head else self.predictions.charge(it)
+            ch = need if it is head or predict.same_charge(it, head) else predict.charge(it)
             target, hit = self._choose(pool, ch, hits)
             if target is None:
                 break

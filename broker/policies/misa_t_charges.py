@@ -102,6 +102,12 @@ class Predictions:
             charge = max(charge, self.peak_estimate(item.workload, item.prompt_tokens))
         return charge
 
+    def same_charge(self, item: PendingItem, other: PendingItem) -> bool:
+        """Whether `item` is charged what `other` is without asking (`charge` reads only these
+        fields: a GRPO group's members share them)."""
+        return (item.workload == other.workload and item.prompt_tokens == other.prompt_tokens
+                and item.max_tokens == other.max_tokens and item.max_turns == other.max_turns)
+
     def smallest_head_charge(self, pending: Mapping[str, Sequence[PendingItem]]) -> float | None:
         """The smallest charge among the sessions next in line to start (each workload's oldest
         first turn; follow-up turns go home whatever α says); None when none waits."""

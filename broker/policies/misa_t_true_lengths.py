@@ -38,6 +38,9 @@ class TrueLengths(Predictions):
         n = self._true(s.session_id, s.turn)
         return float(n) if n is not None else super().admission_output(s)
 
+    def same_charge(self, item: PendingItem, other: PendingItem) -> bool:
+        return False  # each session's own true length
+
     def turn_output(self, session: ResidentSession, turn_index: int, progress: int) -> float:
         n = self._true(session.session_id, turn_index)
         if n is None:

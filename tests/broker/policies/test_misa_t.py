@@ -686,6 +686,14 @@ def test_group_that_fits_nowhere_whole_is_split_rather_than_left_waiting() -> No
     assert sorted(a.backend_id for a in d.admissions) == ["a", "a", "b", "b"]
 
 
+def test_each_member_of_a_group_is_charged_for_its_own_prompt() -> None:
+    policy = make_policy("misa_t-residency", adaptive_admission=False)
+    group = [pending(f"g-{i}", workload="rlvr", group="g", size=3, prompt=p)
+             for i, p in enumerate((160, 160, 900))]
+    d = policy.decide(snap([view("a")], group, target={"rlvr": 1.0}))
+    assert [a.reserved_tokens for a in d.admissions] == [1160, 1160, 1900]
+
+
 def test_new_session_follows_its_cached_prefix_and_followups_stay_home() -> None:
     policy = make_policy("misa_t")
     system = tuple(range(5000, 8000))
