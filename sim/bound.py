@@ -32,7 +32,9 @@ derives each term; in short, per engine, with S sequences decoding in every step
 the bound is engines/τ generated tokens per second, the bench's unit. A sync trainer (one whole
 step at a time) adds the step's barrier: a step lasts at least its fluid work at that rate and
 at least its slowest session's own path (every token a step of its own at batch 1, plus its tool
-waits and reward latency), and the trainer's `train_s` between steps idles the fleet.
+waits and reward latency), and the trainer's `train_s` between steps idles the fleet. An async
+run ends with up to its in-flight bound of sessions still out, at best the slowest: the sample
+leaves that share of the slowest out (a short run finishes a biased share of quick sessions).
 """
 
 from __future__ import annotations
@@ -239,10 +241,9 @@ def _best_rate(work: _Work, p: EngineProfile, engines: int, inflight: float) -> 
         base = p.t0 / s + p.t_seq + max(p.linear_time(s) / s, p.a * (1 + u)) + fixed
         # τ along the frontier, at its corners and where two of the three times cross
         # inside a segment (each time is linear along a segment, τ their maximum).
-        tau = _frontier_min(base, kept_kv, left, kv_seq * s, p.kv_tokens, s, w, per_engine)
-        t, theta_at = tau
-        if best is None or t < best.tau:
-            best = _Best(t, s, "", theta_at)
+        tau, at = _frontier_min(base, kept_kv, left, kv_seq * s, p.kv_tokens, s, w, per_engine)
+        if best is None or tau < best.tau:
+            best = _Best(tau, s, "", at)
     assert best is not None
     s = best.seqs
     base = p.t0 / s + p.t_seq + max(p.linear_time(s) / s, p.a * (1 + u)) + fixed
