@@ -130,7 +130,6 @@ class BrokerService:
         self._workloads: tuple[str, ...] = ()
         self._last_completion_id = "0-0"
         self._completions: list[Completion] = []  # read, not yet handed to the policy
-        self._completions_through: str | None = None  # ... the last of them, by entry id
         self._backend_ids: tuple[str, ...] = ()
         self._watch_since = time.monotonic()  # since when this term has seen Redis answer
         self._orphans_checked = time.monotonic()
@@ -378,7 +377,7 @@ class BrokerService:
 
     def _take_completions(self, fleet: FleetRead) -> None:
         for entry_id, fields in fleet.completions:
-            self._last_completion_id = self._completions_through = entry_id
+            self._last_completion_id = entry_id
             c = completion_from_entry(fields)
             if c is not None:
                 self._completions.append(c)
@@ -551,8 +550,7 @@ class BrokerService:
         self._expire_unrunnable(weights, fleet)
         pending = self._pending_view()
         completions, self._completions = self._completions, []
-        if self._completions_through is not None:
-            self._learned_through = self._completions_through
+        self._learned_through = self._last_completion_id  # (what was read is handed over now)
         if not any(pending.values()) and not completions:
             return 0
         now = time.time()

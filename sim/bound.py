@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from sim.engine.profiles import EngineProfile, get_profile
-from sim.metrics import quotas
+from sim.metrics import quotas, sync_step
 from sim.scenario import Scenario
 from sim.workloads.source import make_source
 from sim.workloads.truth import SimSession
@@ -79,7 +79,6 @@ class _Work:
     outside_s: float  # Σ tool waits + reward latencies (session-seconds off the engine)
     keep_kv_s: np.ndarray  # per tool wait: KV·s of keeping the history over it
     reprefill_s: np.ndarray  # per tool wait: engine seconds of re-prefilling it instead
-    paths_s: np.ndarray  # per session: the shortest it can take from its first token to its result
 
 
 def sample_sessions(scenario: Scenario, scenario_path: str | Path, n: int) -> list[SimSession]:
@@ -108,15 +107,7 @@ def sync_steps(scenario: Scenario, scenario_path: str | Path) -> list[list[SimSe
     quota = quotas(scenario.trainer.batch_size, scenario.mixture)
     steps: list[list[SimSession]] = []
     for _ in range(scenario.trainer.iterations):
-        step: list[SimSession] = []
-        for w in sorted(quota):
-            taken = 0
-            while taken < quota[w]:
-                group = source.next_group(w)
-                if group is None:
-                    break
-                taken += len(group)
-                step.extend(group)
+        step = sync_step(source.next_group, quota)
         if not step:
             break
         steps.append(step)
@@ -165,7 +156,6 @@ def _work(sessions: list[SimSession], p: EngineProfile) -> _Work:
     obs_pairs = outside = 0.0
     keep: list[float] = []
     reprefill: list[float] = []
-    paths: list[float] = []
     for s, own_shared in zip(sessions, shared):
         history = len(s.session.prompt_token_ids or ())
         truth = s.truth
@@ -186,13 +176,11 @@ def _work(sessions: list[SimSession], p: EngineProfile) -> _Work:
                 obs_tokens += ob
                 obs_pairs += ob * (history + ob / 2)
                 history += ob
-        paths.append(_path_s(s, p))
     return _Work(outputs=float(outputs), ctx_weight=ctx_weight, kv_weight=kv_weight,
                  prefill_tokens=float(prompt_tokens + obs_tokens),
                  prefill_pairs=prompt_pairs + obs_pairs, outside_s=outside,
                  keep_kv_s=np.asarray(keep, dtype=float),
-                 reprefill_s=np.asarray(reprefill, dtype=float),
-                 paths_s=np.asarray(paths, dtype=float))
+                 reprefill_s=np.asarray(reprefill, dtype=float))
 
 
 def _path_s(s: SimSession, p: EngineProfile) -> float:
@@ -301,9 +289,7 @@ def fluid_bound(scenario: Scenario, scenario_path: str | Path, samples: int = 2_
         sessions = sample_sessions(scenario, scenario_path, min(samples, run))
         unfinished = round(trainer.inflight_bound * len(sessions) / run)
         if unfinished:
-            slowest = sorted(range(len(sessions)), key=lambda i: -_path_s(sessions[i], profile))
-            out = set(slowest[:unfinished])
-            sessions = [x for i, x in enumerate(sessions) if i not in out]
+            sessions = sorted(sessions, key=lambda x: _path_s(x, profile))[:-unfinished]
     if not sessions:
         raise ValueError("bound: the scenario yields no sessions")
     work = _work(sessions, profile)
@@ -313,16 +299,11 @@ def fluid_bound(scenario: Scenario, scenario_path: str | Path, samples: int = 2_
     rate = fleet.engines / best.tau
     barrier = 0.0
     if sync:
-        start = 0
         fluid = slowest = 0.0
         for step in steps:
-            n = len(step)
-            out = sum(sum(s.truth.output_tokens) for s in step)
-            fluid_s = out / rate
-            path_s = float(work.paths_s[start:start + n].max())
+            fluid_s = sum(sum(s.truth.output_tokens) for s in step) / rate
             fluid += fluid_s
-            slowest += max(fluid_s, path_s)
-            start += n
+            slowest += max(fluid_s, max(_path_s(s, profile) for s in step))
         total = slowest + trainer.train_s * (len(steps) - 1)
         barrier = (total - fluid) / total if total > 0 else 0.0
         rate = work.outputs / total

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -263,6 +263,22 @@ def engine_preemptions(samples: Iterable[KvSample], at: float) -> int:
         if s.at <= at and (s.engine_id not in last or s.at >= last[s.engine_id][0]):
             last[s.engine_id] = (s.at, s.preemptions_total)
     return sum(n for _, n in last.values())
+
+
+def sync_step(next_group: Callable[[str], tuple[SimSession, ...] | None],
+              quota: Mapping[str, int]) -> list[SimSession]:
+    """A sync trainer's step: whole groups from `next_group` until each workload holds its
+    quota of the batch (or has no more)."""
+    out: list[SimSession] = []
+    for w in sorted(quota):
+        taken = 0
+        while taken < quota[w]:
+            group = next_group(w)
+            if group is None:
+                break
+            taken += len(group)
+            out.extend(group)
+    return out
 
 
 def start_up_speed(policy: RunMetrics, baselines: Sequence[RunMetrics]) -> float | None:
@@ -537,20 +553,18 @@ class Trainer:
         """A sync step: whole groups until each workload holds its quota of B."""
         if self.done or self._step or self._next_step_at is None or now < self._next_step_at:
             return []
-        out: list[SimSession] = []
-        for w in sorted(self.quota):
-            taken = 0
-            while taken < self.quota[w]:
-                group = self._peek(w)
-                if group is None:
-                    break
-                self._peeked.pop(w)
-                self.enqueued[w] += len(group)
-                taken += len(group)
-                out.extend(group)
+        out = sync_step(self._take, self.quota)
         self._step = {s.session_id for s in out}
         self._next_step_at = None
         return out
+
+    def _take(self, w: str) -> tuple[SimSession, ...] | None:
+        """Enqueue the next group of `w` (None when it has no more)."""
+        group = self._peek(w)
+        if group is not None:
+            self._peeked.pop(w)
+            self.enqueued[w] += len(group)
+        return group
 
     def _take_recorded(self) -> SimSession:
         s = self._recorded.popleft()
