@@ -34,6 +34,9 @@ from pydantic import ValidationError
 
 from broker.episodes import close_episode, episode_base_url, episode_spec, forget, open_episode
 from broker.keys import TRAINER_GROUP, Keys
+from broker.adapters import AdapterRecord, check_adapter
+from broker.adapters import read_all as read_adapters
+from broker.adapters import register as register_adapter
 from broker.ledger import EnqueueLimits, enqueue_limits, read_all
 from broker.mixture import quotas
 from broker.plans import (AsyncRunner, Cmd, Guard, Plan, Runner, ScriptCall, batch, cmd, durable,
@@ -537,6 +540,19 @@ class RolloutClient(_Plans):
         KV charge (its next call is admitted again); 30 s by default."""
         self._runner.run(self._retried(self._set_episode_idle_timeout, seconds))
 
+    def register_adapter(self, name: str, path: str) -> int:
+        """Register LoRA adapter `name`, loaded by the engines from `path` (PEFT's layout: what
+        vLLM's `/v1/load_lora_adapter` reads; the path as the engines see it). Sessions name it
+        in `Session.adapter`. Registering it again with new weights at a new path is an
+        adapter-only weight update: each worker loads them before the adapter's next request.
+        Returns its version (1, then +1 per registration)."""
+        check_adapter(name, path)
+        return self._runner.run(self._retried(register_adapter, self.keys, name, path))
+
+    def adapters(self) -> dict[str, AdapterRecord]:
+        """The registered LoRA adapters, by name."""
+        return self._runner.run(self._retried(read_adapters, self.keys))
+
     def cancel(self, session_id: str) -> str:
         """'cancelled', or the state that made it too late ('done', 'failed', 'cancelled',
         'dead_lettered'), or 'unknown'. A cancelled session publishes no result."""
@@ -626,6 +642,13 @@ class AsyncRolloutClient(_Plans):
 
     async def cancel(self, session_id: str) -> str:
         return await self._run(self._retried(self._cancel, session_id))
+
+    async def register_adapter(self, name: str, path: str) -> int:
+        check_adapter(name, path)
+        return await self._run(self._retried(register_adapter, self.keys, name, path))
+
+    async def adapters(self) -> dict[str, AdapterRecord]:
+        return await self._run(self._retried(read_adapters, self.keys))
 
     async def open_episode(self, episode: Mapping[str, Any], gateway_url: str = "") -> str:
         return await self._run(self._open_episode(episode, gateway_url))

@@ -150,6 +150,17 @@ class Keys:
         """Set: every backend id ever registered in the namespace (the index; never KEYS *)."""
         return f"{self.prefix}backends"
 
+    @property
+    def adapters(self) -> str:
+        """Hash: LoRA adapter name -> the path its engines load it from
+        (`RolloutClient.register_adapter`; broker/adapters.py)."""
+        return f"{self.prefix}adapters"
+
+    @property
+    def adapter_versions(self) -> str:
+        """Hash: LoRA adapter name -> how often it was registered (a new path is new weights)."""
+        return f"{self.prefix}adapter_versions"
+
     # -- trainer-side ---------------------------------------------------------------------------
     @property
     def workloads(self) -> str:

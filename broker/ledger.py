@@ -9,6 +9,8 @@ Fields of `rb:{ns}:ledger:<b>` (a hash), who writes them, and what they mean:
 - `engine_url`, `model`  where the backend's engine answers vLLM's HTTP API for the session
                   gateway (the worker's `--advertise-url`, by default its engine's URL) and the
                   model it serves; written at registration.
+- `max_loras`     how many LoRA adapters the engine mixes in one step (vLLM's `--max-loras`;
+                  absent: LoRA off); written at registration.
 - `alpha`         α_b: reservations may reach α_b·C_b; set to 1.0 at first registration, then
                   written only by the active broker from `Decision.alpha`.
 - `reserved`      Σ of the per-session reservations in `ledger:<b>:sessions`; changed only by the
@@ -46,6 +48,8 @@ class LedgerState:
     reserved_by_workload: dict[str, int]
     sessions: dict[str, int]  # session_id -> reserved tokens
     version: str | None = None  # changes whenever `sessions` does (ledger_version)
+    model: str | None = None  # the model its engine serves
+    max_loras: int = 0  # LoRA adapters one engine step may mix; 0: LoRA off
 
     @property
     def limit_tokens(self) -> int:
@@ -59,6 +63,9 @@ class EnqueueLimits:
     max_model_len: int | None = None  # the largest context limit: a prompt must fit one backend
     vocab_size: int | None = None  # the smallest vocabulary: a session may land on any backend
     capacity_tokens: int | None = None  # the largest KV cache: a session must fit one backend
+    models: frozenset[str] = frozenset()  # the models registered backends serve
+    lora: bool = False  # some registered backend serves LoRA adapters
+    adapters: frozenset[str] | None = None  # the namespace's registered LoRA adapters
 
 
 def parse_ledger(backend_id: str, fields: dict, sessions: dict) -> LedgerState | None:
@@ -86,6 +93,8 @@ def ledger_state(backend_id: str, f: Mapping[str, str], sessions: dict[str, int]
         reserved_by_workload={k[2:]: int(v) for k, v in f.items() if k.startswith("w:")},
         sessions=sessions,
         version=ledger_version(f),
+        model=f.get("model"),
+        max_loras=int(f.get("max_loras", 0)),
     )
 
 
@@ -105,9 +114,11 @@ class Ledger:
 
     def register_backend(self, backend_id: str, capacity_tokens: int, max_model_len: int,
                          vocab_size: int | None = None, engine_url: str | None = None,
-                         model: str | None = None) -> None:
+                         model: str | None = None, max_loras: int = 0) -> None:
         """Create or update a backend's ledger, index it, and make its admitted stream's group."""
         check_backend_id(backend_id)
+        if max_loras < 0:
+            raise ValueError(f"max_loras: {max_loras} must be 0 (LoRA off) or more")
         if capacity_tokens <= 0:
             raise ValueError(f"capacity_tokens: {capacity_tokens} must be positive")
         if max_model_len <= 0:
@@ -121,7 +132,8 @@ class Ledger:
             fields["vocab_size"] = vocab_size
         else:
             pipe.hdel(k.ledger(backend_id), "vocab_size")
-        for name, value in (("engine_url", engine_url), ("model", model)):
+        for name, value in (("engine_url", engine_url), ("model", model),
+                            ("max_loras", max_loras)):
             if value:
                 fields[name] = value
             else:
@@ -176,10 +188,15 @@ def enqueue_limits(keys: Keys) -> Plan[EnqueueLimits]:
     reservations of the whole fleet are not needed for it."""
     ids = sorted(as_text(b) for b in (yield cmd("smembers", keys.backends)))
     replies = yield batch([Cmd("hmget", (keys.ledger(b), "capacity", "max_model_len",
-                                         "vocab_size")) for b in ids])
+                                         "vocab_size", "model", "max_loras")) for b in ids])
     rows = [(int(cap), int(m or 0), int(v) if v else None)
-            for cap, m, v in replies if cap is not None]
+            for cap, m, v, _, _ in replies if cap is not None]
     vocabs = [v for _, _, v in rows if v is not None]
+    served = [r for r in replies if r[0] is not None]
+    adapters = yield cmd("hkeys", keys.adapters)
     return EnqueueLimits(max_model_len=max((m for _, m, _ in rows), default=None),
                          vocab_size=min(vocabs, default=None),
-                         capacity_tokens=max((c for c, _, _ in rows), default=None))
+                         capacity_tokens=max((c for c, _, _ in rows), default=None),
+                         models=frozenset(as_text(r[3]) for r in served if r[3]),
+                         lora=any(r[4] and int(r[4]) > 0 for r in served),
+                         adapters=frozenset(as_text(a) for a in adapters))

@@ -96,6 +96,9 @@ def validate_batch(
         unfit = session_fit_error(s, limits)
         if unfit is not None:
             raise ValueError(f"sessions[{i}].{unfit}")
+        unserved = serving_error(s, limits)
+        if unserved is not None:
+            raise ValueError(f"sessions[{i}].{unserved}")
         if limits.vocab_size is not None and s.prompt_token_ids:
             top = max(s.prompt_token_ids)
             if top >= limits.vocab_size:
@@ -124,6 +127,27 @@ def session_fit_error(s: Session, limits: EnqueueLimits) -> str | None:
         return (f"max_tokens: a prompt of {prompt} tokens and max_tokens {s.max_tokens} need "
                 f"{need} tokens of KV cache; no backend has that (largest holds "
                 f"{limits.capacity_tokens})")
+    return None
+
+
+def serving_error(s: Session, limits: EnqueueLimits) -> str | None:
+    """Why `s` could never run (an adapter the namespace has not registered; a model or LoRA
+    that no registered backend serves), starting with the field to blame; None when it could.
+    Backends are judged once one has registered, and one that is down still counts: its worker
+    may come back, and the session waits for it."""
+    if (s.adapter is not None and limits.adapters is not None
+            and s.adapter not in limits.adapters):
+        known = ", ".join(sorted(limits.adapters)) or "none"
+        return (f"adapter: {s.adapter!r} is not registered in this namespace (registered: "
+                f"{known}); register it with RolloutClient.register_adapter(name, path)")
+    if limits.max_model_len is None:
+        return None  # no backend has registered yet
+    if s.model is not None and limits.models and s.model not in limits.models:
+        return (f"model: {s.model!r} is served by no registered backend; served: "
+                f"{', '.join(sorted(limits.models))}")
+    if s.adapter is not None and not limits.lora:
+        return (f"adapter: {s.adapter!r} needs an engine with LoRA on, and no registered "
+                "backend has one (start vLLM with --enable-lora)")
     return None
 
 

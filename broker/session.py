@@ -31,6 +31,7 @@ ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")  # session and group ids
 WORKLOAD_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # workload names
 # Keys of the operator's tool and reward registry (workers/tools.py): a name, never code.
 REGISTRY_KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+MODEL_RE = re.compile(r"^[!-~]{1,256}$")  # a served model's name: a path or hub id, no spaces
 
 # Strict scalars: JSON `true` is not a token id, `"10"` is not a number of tokens, and NaN or
 # Infinity (which JSON cannot carry; they would be stored as null) is not a metadata value.
@@ -166,12 +167,33 @@ class Session(BaseModel):
     # Set by a worker that drained while the session ran (workers/runner.py): go on from it.
     resume_from: PartialRollout | None = None
     driver: Literal["worker", "agent"] = "worker"
+    # The served model the session needs (vLLM's `--served-model-name`, by default the model
+    # path); None: whichever model the namespace's engines serve.
+    model: StrictStr | None = None
+    # A LoRA adapter registered in the namespace (`RolloutClient.register_adapter`): the
+    # session's every request runs with it, on an engine started with `--enable-lora`.
+    adapter: StrictStr | None = None
 
     @field_validator("session_id", "group_id")
     @classmethod
     def _id_shape(cls, v: str | None) -> str | None:
         if v is not None and not ID_RE.match(v):
             raise ValueError("must be 1-128 characters of letters, digits, '_', '.', ':' or '-'")
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _model_shape(cls, v: str | None) -> str | None:
+        if v is not None and not MODEL_RE.match(v):
+            raise ValueError("must be 1-256 printable characters without spaces")
+        return v
+
+    @field_validator("adapter")
+    @classmethod
+    def _adapter_shape(cls, v: str | None) -> str | None:
+        if v is not None and not REGISTRY_KEY_RE.match(v):
+            raise ValueError(f"{v!r} is not an adapter name (1-64 letters, digits, '_', '.' "
+                             "or '-')")
         return v
 
     @field_validator("workload")
