@@ -46,6 +46,7 @@ class HeartbeatRecord(BaseModel):
     metrics: EngineMetrics
     sessions: list[SessionProgress] = Field(default_factory=list)  # every session running there
     sent_at: float | None = None  # unix seconds when the worker sent this beat
+    adapters: list[str] = Field(default_factory=list)  # LoRA adapters its engine has loaded
 
     def telemetry(self) -> Telemetry:
         m = self.metrics

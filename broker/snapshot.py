@@ -230,7 +230,7 @@ def pending_item(session: Session, enqueued_at: float) -> PendingItem:
         session_id=session.session_id, workload=session.workload, group_id=session.group_id,
         group_size=session.group_size, prompt_tokens=session.prompt_len_hint, prefix=prefix,
         max_tokens=session.max_tokens, max_turns=session.max_turns, turn=0, home_backend=None,
-        enqueued_at=enqueued_at,
+        enqueued_at=enqueued_at, model=session.model, adapter=session.adapter,
     )
 
 
@@ -244,12 +244,14 @@ class ResidentMeta:
     max_tokens: int
     max_turns: int
     admitted_at: float
+    adapter: str | None = None
 
 
 def resident_meta(session: Session, admitted_at: float) -> ResidentMeta:
     return ResidentMeta(workload=session.workload, group_id=session.group_id,
                         prompt_tokens=session.prompt_len_hint, max_tokens=session.max_tokens,
-                        max_turns=session.max_turns, admitted_at=admitted_at)
+                        max_turns=session.max_turns, admitted_at=admitted_at,
+                        adapter=session.adapter)
 
 
 def backend_view(ledger: LedgerState, hb: HeartbeatRecord | None,
@@ -258,7 +260,8 @@ def backend_view(ledger: LedgerState, hb: HeartbeatRecord | None,
     key: tuple = ()
     memo = None
     if cache is not None:
-        key = (ledger.version, hb, ledger.alpha, ledger.capacity_tokens, ledger.max_model_len)
+        key = (ledger.version, hb, ledger.alpha, ledger.capacity_tokens, ledger.max_model_len,
+               ledger.model, ledger.max_loras)
         memo = cache._views.get(ledger.backend_id)
         if (memo is not None and memo.complete and ledger.version is not None
                 and memo.key[0] == key[0] and memo.key[1] is hb and memo.key[2:] == key[2:]):
@@ -295,7 +298,7 @@ def backend_view(ledger: LedgerState, hb: HeartbeatRecord | None,
                 reserved_tokens=reserved, prompt_tokens=m.prompt_tokens,
                 context_tokens=context, generated_tokens=generated, turn=turn,
                 max_tokens=m.max_tokens, max_turns=m.max_turns, waiting_on_tool=parked,
-                admitted_at=m.admitted_at,
+                admitted_at=m.admitted_at, adapter=m.adapter,
             )
         sessions[sid] = s
     resident = tuple(sessions.values())
@@ -306,7 +309,8 @@ def backend_view(ledger: LedgerState, hb: HeartbeatRecord | None,
     view = BackendView(
         backend_id=ledger.backend_id, capacity_tokens=ledger.capacity_tokens,
         max_model_len=ledger.max_model_len, healthy=hb is not None, alpha=ledger.alpha,
-        telemetry=telemetry, sessions=resident,
+        telemetry=telemetry, sessions=resident, model=ledger.model,
+        max_loras=ledger.max_loras, adapters=frozenset(hb.adapters) if hb is not None else frozenset(),
     )
     if cache is not None:
         cache._views[ledger.backend_id] = _ViewMemo(key, view, complete, sessions)

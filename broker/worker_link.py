@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import redis
 from pydantic import BaseModel, ConfigDict, Field
 
+from broker.adapters import AdapterRecord
+from broker.adapters import read as read_adapter
 from broker.body import dump_body, load_body
 from broker.completions import CompletionStats, completion_json, completion_of
 from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S, EngineMetrics, HeartbeatRecord, SessionProgress
@@ -76,21 +78,23 @@ class WorkerLink:
 
     def register(self, capacity_tokens: int, max_model_len: int,
                  vocab_size: int | None = None, engine_url: str | None = None,
-                 model: str | None = None) -> None:
+                 model: str | None = None, max_loras: int = 0) -> None:
         """`engine_url` and `model`: where the session gateway reaches this backend's engine
-        (vLLM's HTTP API) and the model it serves."""
+        (vLLM's HTTP API) and the model it serves; `max_loras`: the LoRA adapters its engine
+        mixes in a step (0: LoRA off)."""
         self._ledger.register_backend(self.backend_id, capacity_tokens, max_model_len, vocab_size,
-                                      engine_url, model)
+                                      engine_url, model, max_loras)
         self._cursor.reset()
 
     def heartbeat(self, metrics: EngineMetrics, progress: Sequence[SessionProgress] = (),
-                  at: float | None = None) -> None:
+                  at: float | None = None, adapters: Sequence[str] = ()) -> None:
         """Refresh this backend's liveness (the key's TTL) and carry `metrics` as taken at unix
         time `at` (default now): an engine whose /metrics answers slowly sends older numbers,
         with their age, but the beat itself is on time."""
         now = time.time()
         record = HeartbeatRecord(backend_id=self.backend_id, at=now if at is None else at,
-                                 metrics=metrics, sessions=list(progress), sent_at=now)
+                                 metrics=metrics, sessions=list(progress), sent_at=now,
+                                 adapters=sorted(adapters))
         k = self.keys
         reply = as_text(self._scripts.heartbeat(
             keys=[k.heartbeat(self.backend_id), k.ledger(self.backend_id), k.events],
@@ -110,6 +114,10 @@ class WorkerLink:
         pipe.xadd(k.events, {"kind": "withdraw", "backend": self.backend_id},
                   maxlen=10000, approximate=True)
         pipe.execute()
+
+    def adapter(self, name: str) -> AdapterRecord | None:
+        """LoRA adapter `name` as the namespace registered it (broker/adapters.py), or None."""
+        return self._runner.run(read_adapter(self.keys, name))
 
     # -- weight updates (broker/weights.py) ------------------------------------------------------
     def weights_state(self) -> WeightsState:

@@ -37,6 +37,8 @@ class PendingItem:
     turn: int  # 0 for a new session
     home_backend: str | None  # where the session's earlier turns ran; None for a new session
     enqueued_at: float
+    model: str | None = None  # the served model it needs; None: any
+    adapter: str | None = None  # the LoRA adapter its requests run with; None: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,7 @@ class ResidentSession:
     max_turns: int
     waiting_on_tool: bool  # between turns: a tool or reward call is running
     admitted_at: float
+    adapter: str | None = None  # the LoRA adapter its requests run with
 
 
 _WAITING_ON_TOOL = attrgetter("waiting_on_tool")
@@ -82,6 +85,11 @@ class BackendView:
     alpha: float  # admission limit factor: reservations may reach alpha × capacity
     telemetry: Telemetry | None
     sessions: tuple[ResidentSession, ...] = ()
+    model: str | None = None  # the model its engine serves (None: not reported)
+    # LoRA: how many adapters one engine step may mix (vLLM's --max-loras; 0: LoRA off), and
+    # the adapters the engine has loaded (a session with one of them starts without a load).
+    max_loras: int = 0
+    adapters: frozenset[str] = frozenset()
 
     @property
     def reserved_tokens(self) -> int:
@@ -92,6 +100,21 @@ class BackendView:
         """Sessions with a request on the engine now (not parked on a tool call)."""
         # C-level count: routers read this for every backend on every decide().
         return len(self.sessions) - sum(map(_WAITING_ON_TOOL, self.sessions))
+
+
+def serves(view: BackendView, item: PendingItem) -> bool:
+    """Whether `view`'s engine can run `item` at all: it serves the item's model (a backend
+    that reported none serves any), and LoRA is on where the item names an adapter. Whether
+    an adapter slot is free is the placing policy's to judge (`adapters_in_use`)."""
+    return ((item.model is None or view.model is None or item.model == view.model)
+            and (item.adapter is None or view.max_loras > 0))
+
+
+def adapters_in_use(view: BackendView) -> set[str]:
+    """The adapters of `view`'s resident sessions: each holds one of its engine's `max_loras`
+    slots while any of its sessions runs there (vLLM's scheduler mixes at most that many
+    adapters in a step and leaves a request waiting whose adapter would exceed it)."""
+    return {s.adapter for s in view.sessions if s.adapter is not None}
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,12 @@ follow-up turns go home first; each workload gets its share σ_w of Σ_b α_b·C
 (with the rest of its GRPO group) goes where `Placement.choose` puts it, until every workload
 has placed everything or its oldest fits nowhere. A blocked, under-served workload keeps the
 backend closest to fitting its oldest for itself within the call.
+
+A session that names a model or a LoRA adapter places only where the engine serves it
+(`base.serves`), and with an adapter only where one of the engine's `max_loras` slots is free
+or already holds it; among those, engines that already hold or have loaded the adapter come
+first (no load, no slot taken). A session no live backend can serve at all waits without
+holding back the sessions behind it.
 """
 
 from __future__ import annotations
@@ -16,7 +22,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from broker.policies.base import Admission, Decision, PendingItem, Snapshot
+from broker.policies.base import (
+    Admission,
+    Decision,
+    PendingItem,
+    Snapshot,
+    adapters_in_use,
+    serves,
+)
 from broker.policies.misa_t_book import Accounted
 from broker.policies.misa_t_charges import Predictions, Residency
 from broker.policies.misa_t_control import CompletionPacer, admissible, shares
@@ -72,6 +85,9 @@ class AdmissionRound:
     accounted: Accounted
     decision: Decision
     running: int = -1  # sessions running on the healthy backends, growing with each placement
+    # Per backend id: the adapters its sessions hold, with this call's placements (made on
+    # first use: only calls that place adapter sessions pay for it).
+    adapters: dict[str, set[str]] | None = None
 
     def __post_init__(self) -> None:
         self.running = self.accounted.running
@@ -138,7 +154,13 @@ class AdmissionRound:
             pool = pools.get(w)
             if pool is None:
                 pool = pools[w] = placement.pool([b for v, b in held.items() if v != w])
-            taken, charged, need = self._admit_next(fresh[w], cursor[w], pool)
+            items = fresh[w]
+            while cursor[w] < len(items) and not self._servable(items[cursor[w]]):
+                cursor[w] += 1  # served by no live backend: it waits, the rest go on
+            if cursor[w] >= len(items):
+                live.discard(w)
+                continue
+            taken, charged, need = self._admit_next(items, cursor[w], pool)
             if not taken:
                 live.discard(w)  # its oldest does not fit: FIFO within a workload, no overtaking
                 if self._hold_for(w, quota, pool, need, held):
@@ -187,12 +209,15 @@ class AdmissionRound:
         the charge of the item at `start`)."""
         head = items[start]
         need = self.predictions.charge(head)
+        if _needs(head):
+            pool = self._eligible(head, pool)
         if not self.accounted.placement.fits(pool, need):
             return 0, 0.0, need  # (the usual end of a workload's turn in a call: no lookups)
         group = [head]
         if head.group_id is not None and head.group_size > 1:
             for it in items[start + 1 : start + head.group_size]:
-                if it.group_id != head.group_id or it.turn > 0:
+                if (it.group_id != head.group_id or it.turn > 0 or it.model != head.model
+                        or it.adapter != head.adapter):
                     break
                 group.append(it)
         taken, charged = self._place_group(group, need, pool)
@@ -215,6 +240,8 @@ class AdmissionRound:
         predict = self.predictions
         for it in group:
             ch = need if it is head or predict.same_charge(it, head) else predict.charge(it)
+            if it is not head and it.adapter is not None:
+                pool = self._eligible(it, pool)  # the head's placement may have taken a slot
             target, hit = self._choose(pool, ch, hits)
             if target is None:
                 break
@@ -250,6 +277,51 @@ class AdmissionRound:
         target.reserved += charge
         target.running += 1
         self.running += 1
+        if item.adapter is not None:
+            self._in_use(target).add(item.adapter)
         self.decision.admissions.append(Admission(item.session_id, target.view.backend_id,
                                                   int(charge)))
         self.residency.admitted(item, charge, self.call.now)
+
+    # -- models and LoRA adapters ------------------------------------------------------------
+    def _servable(self, item: PendingItem) -> bool:
+        """Whether some live backend serves `item`'s model (and LoRA, for an adapter)."""
+        if not _needs(item):
+            return True
+        return any(serves(b.view, item) for b in self.accounted.placement.backends)
+
+    def _in_use(self, b: BackendState) -> set[str]:
+        if self.adapters is None:
+            self.adapters = {}
+        held = self.adapters.get(b.view.backend_id)
+        if held is None:
+            held = self.adapters[b.view.backend_id] = adapters_in_use(b.view)
+        return held
+
+    def _eligible(self, item: PendingItem, pool: Pool) -> Pool:
+        """The backends of `pool` that may take `item`: serving its model, and for an adapter
+        with a slot for it. Where the adapter is held or loaded somewhere in there and fits,
+        only those: a session placed there needs no load and takes no new slot."""
+        adapter, placement = item.adapter, self.accounted.placement
+        if adapter is None:
+            return placement.restrict(pool, lambda b: serves(b.view, item))
+        ready, slot = [], []
+        for b in pool.members:
+            if not serves(b.view, item):
+                continue
+            held = self._in_use(b)
+            if adapter in held:
+                ready.append(b)
+            elif len(held) < b.view.max_loras:
+                (ready if adapter in b.view.adapters else slot).append(b)
+        charge = self.predictions.charge(item)
+        if ready:
+            first = placement.subset(ready)
+            if placement.fits(first, charge):
+                return first
+        return placement.subset(ready + slot)
+
+
+def _needs(item: PendingItem) -> bool:
+    """Whether `item` restricts where it may run (a model or an adapter of its own)."""
+    return item.model is not None or item.adapter is not None

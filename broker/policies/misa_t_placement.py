@@ -21,7 +21,7 @@ backend on every step of random calls, and that a synced placement chooses as a 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,6 +103,19 @@ class Placement:
         mask = np.ones(len(self.backends), dtype=bool)
         for o in excluded:
             mask[self._position[id(o)]] = False
+        return Pool(members, mask)
+
+    def restrict(self, pool: Pool, keep: Callable[[BackendState], bool]) -> Pool:
+        """The backends of `pool` for which `keep` holds."""
+        return self.subset([b for b in pool.members if keep(b)])
+
+    def subset(self, members: list[BackendState]) -> Pool:
+        """A pool of exactly `members` (states of this placement)."""
+        if not self._arrays:
+            return Pool(members)
+        mask = np.zeros(len(self.backends), dtype=bool)
+        for b in members:
+            mask[self._position[id(b)]] = True
         return Pool(members, mask)
 
     def placed(self, b: BackendState) -> None:

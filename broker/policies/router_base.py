@@ -3,7 +3,9 @@
 An HTTP router (the vLLM Router and its simpler policies) does not admit: it forwards each
 request the moment it arrives and lets the engine queue it. A `RouterPolicy` therefore places
 every pending item, oldest first across workloads, on a healthy backend, with no capacity
-check, charging `default_reservation`. Its load signal is the router's own: requests it has
+check, charging `default_reservation`. It sends a request only to an engine serving its model
+(and LoRA, for an adapter), as a router that knows each worker's models does; adapter slots
+are the engine's to queue for. Its load signal is the router's own: requests it has
 dispatched to a backend and that have not finished, i.e. `BackendView.in_flight` plus what it
 placed earlier in the same `decide()` call (the router increments a worker's load on dispatch).
 Subclasses supply only `choose`, the per-request pick.
@@ -22,6 +24,7 @@ from broker.policies.base import (
     Policy,
     Snapshot,
     default_reservation,
+    serves,
 )
 
 
@@ -62,8 +65,14 @@ class RouterPolicy(Policy):
         if not load:
             return decision
         backends = list(load)
+        views = {b.backend_id: b for b in snapshot.backends if b.healthy}
         for item in arrival_order(snapshot.pending):
-            backend_id = self.choose(item, backends, load)
+            able = backends
+            if item.model is not None or item.adapter is not None:
+                able = [b for b in backends if serves(views[b], item)]
+                if not able:
+                    continue  # no live engine serves its model: it waits
+            backend_id = self.choose(item, able, load)
             assert backend_id in load, f"{self.name} chose {backend_id!r}, not a healthy backend"
             load[backend_id] += 1
             decision.admissions.append(
