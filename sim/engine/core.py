@@ -146,7 +146,7 @@ class EngineCore:
     def add_request(self, req: EngineRequest) -> None:
         self.validate(req)
         p = self.profile
-        req.token_seed = request_seed(self.seed, req.request_id, req.seed)
+        req.token_seed = request_seed(self.seed, req.request_id, req.seed) ^ req.lora_seed
         req.vocab_size = p.vocab_size
         req.num_prompt_tokens = len(req.prompt_token_ids)
         req.num_tokens = req.num_prompt_tokens + req.num_output_tokens

@@ -29,7 +29,7 @@ class KVCacheManager:
         if want <= have:
             return
         tokens = req.prompt_token_ids if want * bs <= req.num_prompt_tokens else req.all_token_ids()
-        parent = req.block_hashes[-1] if have else ROOT_HASH
+        parent = req.block_hashes[-1] if have else ROOT_HASH ^ req.lora_seed
         req.block_hashes.extend(chain_hashes(tokens, bs, parent, have, want))
 
     # -- lookup and allocation -----------------------------------------------------------

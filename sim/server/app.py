@@ -53,6 +53,7 @@ from sim.server.protocol import (
     TokenizeResponse,
     random_uuid,
 )
+from sim.server.lora import DEFAULT_LOAD_S, LoadLoRAAdapterBody, LoraState, UnloadLoRAAdapterBody
 from sim.server.tokenizer import SimTokenizer
 
 # The vLLM release whose HTTP API the simulator serves (GET /version), marked as simulated.
@@ -71,6 +72,10 @@ class EngineSettings:
     # prompt and output ids, served at GET /sim/journal, so a test can check what a client
     # recorded against what the engine consumed and produced. 0: none kept.
     journal: int = 0
+    # LoRA (sim/server/lora.py): vLLM's --max-loras (0: LoRA off, as without --enable-lora),
+    # and the simulated seconds one adapter takes to load.
+    max_loras: int = 0
+    lora_load_s: float = DEFAULT_LOAD_S
 
 
 @dataclass
@@ -86,15 +91,21 @@ class ServerState:
     metrics_delay_s: float = 0.0  # an injected fault (see the module docstring)
     weights_path: str | None = None  # the last checkpoint a collective_rpc reload_weights named
     journal: deque | None = None  # EngineSettings.journal
+    lora: LoraState | None = None  # None: LoRA off
 
     @property
     def max_model_len(self) -> int:
         """The core's: shrunk below the profile's when an overridden KV capacity can't hold it."""
         return self.core.max_model_len
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise ApiError.model_not_found(name)
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for a
+        name the engine does not serve."""
+        if name is None or name == self.model_name:
+            return None
+        if self.lora is not None and name in self.lora.adapters:
+            return name
+        raise ApiError.model_not_found(name)
 
 
 def get_state(request: Request) -> ServerState:
@@ -110,10 +121,15 @@ def build_state(settings: EngineSettings) -> ServerState:
     driver = EngineDriver(core, time_scale=settings.time_scale)
     model_name = settings.model_name or profile.served_model
     cache_info = CacheConfigInfo(block_size=core.block_size, num_gpu_blocks=core.num_gpu_blocks)
+    if settings.max_loras < 0 or settings.lora_load_s < 0:
+        raise ValueError("max_loras and lora_load_s: must not be negative")
+    lora = LoraState(settings.max_loras, settings.lora_load_s, settings.time_scale) \
+        if settings.max_loras else None
     return ServerState(profile=profile, model_name=model_name,
                        tokenizer=SimTokenizer(profile.vocab_size), core=core, driver=driver,
-                       registry=build_registry(model_name, driver.stats, cache_info),
-                       journal=deque(maxlen=settings.journal) if settings.journal else None)
+                       registry=build_registry(model_name, driver.stats, cache_info, lora),
+                       journal=deque(maxlen=settings.journal) if settings.journal else None,
+                       lora=lora)
 
 
 def create_app(settings: EngineSettings) -> FastAPI:
@@ -133,6 +149,8 @@ def create_app(settings: EngineSettings) -> FastAPI:
     _add_pause_routes(app)
     _add_token_routes(app)
     _add_info_routes(app)
+    if state.lora is not None:
+        _add_lora_routes(app)
     if settings.fault_injection:
         _add_fault_routes(app)
     return app
@@ -149,6 +167,47 @@ def _add_fault_routes(app: FastAPI) -> None:
         return {"metrics_delay_s": s.metrics_delay_s}
 
 
+def _add_lora_routes(app: FastAPI) -> None:
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterBody, s: StateDep) -> Response:
+        assert s.lora is not None
+        return Response(await s.lora.load(body, s.model_name), media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterBody, s: StateDep) -> Response:
+        assert s.lora is not None
+        return Response(s.lora.unload(body), media_type="text/plain")
+
+    @app.get("/sim/lora")
+    async def lora_stats(s: StateDep) -> dict[str, Any]:
+        """What the simulator counts of its adapters (not a vLLM route): loads, requests that
+        waited for a slot, and the adapters loaded (name -> path)."""
+        assert s.lora is not None
+        return {"loads": s.lora.loads, "slot_waits": s.lora.slots.slot_waits,
+                "adapters": {a.name: a.path for a in s.lora.adapters.values()}}
+
+
+async def _start(s: ServerState, adapter: str | None, request_id: str, prompts: list,
+                 limits: list[int], sampling: Any) -> serving.Generation:
+    """Start a generation on the base model or, holding one of its slots, on `adapter` (the
+    slot goes back when every request of it has ended)."""
+    if adapter is None:
+        return serving.start_generation(s.driver, request_id, s.model_name, prompts, limits,
+                                        sampling, s.tokenizer)
+    assert s.lora is not None
+    lora = s.lora
+    loaded = await lora.acquire(adapter)
+    try:
+        gen = serving.start_generation(s.driver, request_id, adapter, prompts, limits,
+                                       sampling, s.tokenizer, lora_seed=loaded.seed)
+    except BaseException:
+        lora.release(adapter)
+        raise
+    done = asyncio.gather(*gen.futures, return_exceptions=True)
+    done.add_done_callback(lambda _: lora.release(adapter))
+    return gen
+
+
 def _json(body: BaseModel) -> Response:
     """A response model as JSON, serialised by pydantic-core: FastAPI's `jsonable_encoder`
     walks a reply with per-token logprobs in Python, 5× slower (a 2,000-token reply: 38 ms),
@@ -159,12 +218,11 @@ def _json(body: BaseModel) -> Response:
 def _add_generation_routes(app: FastAPI) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, s: StateDep, request: Request) -> Any:
-        s.check_model(req.model)
+        adapter = s.check_model(req.model)
         prompts, limits = P.completion_inputs(req, s.tokenizer, s.profile.vocab_size,
                                               s.max_model_len)
         request_id = f"cmpl-{req.request_id or random_uuid()}"
-        gen = serving.start_generation(s.driver, request_id, s.model_name, prompts, limits, req,
-                                       s.tokenizer)
+        gen = await _start(s, adapter, request_id, prompts, limits, req)
         echo = bool(req.echo)
         if req.stream:
             return StreamingResponse(serving.completion_stream(s.driver, gen, s.tokenizer, req,
@@ -176,11 +234,10 @@ def _add_generation_routes(app: FastAPI) -> None:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: ChatCompletionRequest, s: StateDep, request: Request) -> Any:
-        s.check_model(req.model)
+        adapter = s.check_model(req.model)
         prompt, limit = P.chat_inputs(req, s.tokenizer, s.max_model_len)
         request_id = f"chatcmpl-{req.request_id or random_uuid()}"
-        gen = serving.start_generation(s.driver, request_id, s.model_name, [prompt], [limit], req,
-                                       s.tokenizer)
+        gen = await _start(s, adapter, request_id, [prompt], [limit], req)
         if req.stream:
             return StreamingResponse(serving.chat_stream(s.driver, gen, s.tokenizer, req),
                                      media_type="text/event-stream")
@@ -191,11 +248,10 @@ def _add_generation_routes(app: FastAPI) -> None:
 
     @app.post("/inference/v1/generate", response_model=None)
     async def generate(req: InferenceGenerateRequest, s: StateDep, request: Request) -> Any:
-        s.check_model(req.model)
+        adapter = s.check_model(req.model)
         prompt, limit, sampling = P.generate_inputs(req, s.profile.vocab_size, s.max_model_len)
         request_id = f"generate-{req.output_mode}-{req.request_id or random_uuid()}"
-        gen = serving.start_generation(s.driver, request_id, s.model_name, [prompt], [limit],
-                                       sampling, s.tokenizer)
+        gen = await _start(s, adapter, request_id, [prompt], [limit], sampling)
         if not await serving.wait_all_or_disconnect(request, s.driver, gen):
             return Response(status_code=499)
         reply = serving.generate_response(gen, s.tokenizer, req)
@@ -302,7 +358,12 @@ def _add_info_routes(app: FastAPI) -> None:
     async def models(s: StateDep) -> ModelList:
         card = ModelCard(id=s.model_name, root=s.model_name, max_model_len=s.max_model_len,
                          permission=[ModelPermission()], vocab_size=s.profile.vocab_size)
-        return ModelList(data=[card])
+        cards = [card]
+        if s.lora is not None:
+            cards += [ModelCard(id=a.name, root=a.path, parent=s.model_name,
+                                permission=[ModelPermission()])
+                      for a in s.lora.adapters.values()]
+        return ModelList(data=cards)
 
     @app.get("/health")
     async def health() -> Response:
@@ -329,16 +390,18 @@ def _add_info_routes(app: FastAPI) -> None:
             "model_config": {"model": s.model_name, "max_model_len": s.max_model_len},
             "cache_config": {"block_size": s.core.block_size,
                              "num_gpu_blocks": s.core.num_gpu_blocks},
+            "lora_config": None if s.lora is None else {"max_loras": s.lora.max_loras},
         }})
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, profile: str = "h200-30b-a3b",
           time_scale: float = 1.0, kv_tokens: int | None = None, seed: int = 0,
-          model_name: str | None = None, fault_injection: bool = False, journal: int = 0) -> None:
+          model_name: str | None = None, fault_injection: bool = False, journal: int = 0,
+          max_loras: int = 0, lora_load_s: float = DEFAULT_LOAD_S) -> None:
     """Run the server in the foreground until interrupted (`rollout-broker sim-engine`)."""
     settings = EngineSettings(profile=profile, time_scale=time_scale, kv_tokens=kv_tokens,
                               seed=seed, model_name=model_name, fault_injection=fault_injection,
-                              journal=journal)
+                              journal=journal, max_loras=max_loras, lora_load_s=lora_load_s)
     # On SIGTERM, requests still generating are cut after 2 s instead of holding the process
     # until they finish (uvicorn waits for open connections otherwise).
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning",

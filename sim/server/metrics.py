@@ -9,6 +9,7 @@ collector over a per-app registry), so they are exactly the core's counters.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from sim.engine.core import EngineStats
 from sim.engine.request import FinishReason
+from sim.server.lora import LoraState
 
 ENGINE_INDEX = "0"
 
@@ -45,10 +47,11 @@ class CacheConfigInfo:
 
 class EngineCollector(Collector):
     def __init__(self, model_name: str, read_stats: Callable[[], EngineStats],
-                 cache_info: CacheConfigInfo) -> None:
+                 cache_info: CacheConfigInfo, lora: LoraState | None = None) -> None:
         self._model_name = model_name
         self._read_stats = read_stats
         self._cache_info = cache_info
+        self._lora = lora
 
     def collect(self) -> Iterator[Metric]:
         stats = self._read_stats()
@@ -96,10 +99,17 @@ class EngineCollector(Collector):
                                  labels=list(info_labels))
         info.add_metric(list(info_labels.values()), 1.0)
         yield info
+        if self._lora is not None:  # vLLM's: labels only, the value is when they were taken
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                     labels=["max_lora", "waiting_lora_adapters",
+                                             "running_lora_adapters"])
+            lora.add_metric([str(self._lora.max_loras), ",".join(self._lora.waiting),
+                             ",".join(self._lora.running)], time.time())
+            yield lora
 
 
 def build_registry(model_name: str, read_stats: Callable[[], EngineStats],
-                   cache_info: CacheConfigInfo) -> CollectorRegistry:
+                   cache_info: CacheConfigInfo, lora: LoraState | None = None) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(model_name, read_stats, cache_info))
+    registry.register(EngineCollector(model_name, read_stats, cache_info, lora))
     return registry
