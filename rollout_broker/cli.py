@@ -100,6 +100,8 @@ def sim_engine(
     model_name: Annotated[Optional[str], typer.Option(help="served model name (default: the profile's)")] = None,
     fault_injection: Annotated[bool, typer.Option(help="serve POST /sim/faults (fault drills: a slow /metrics)")] = False,
     journal: Annotated[int, typer.Option(help="keep the last N token-in/token-out requests' ids at GET /sim/journal (checks of token-exact clients)")] = 0,
+    max_loras: Annotated[int, typer.Option(help="LoRA adapters one step may mix, as vLLM's --max-loras (0: LoRA off); adapters load through /v1/load_lora_adapter")] = 0,
+    lora_load_s: Annotated[float, typer.Option(help="simulated seconds to load one LoRA adapter")] = 0.02,
 ) -> None:
     """Serve a simulated vLLM v1 engine over vLLM's OpenAI-compatible HTTP API."""
     from sim.engine.profiles import check_engine_options, get_profile
@@ -110,11 +112,16 @@ def sim_engine(
         check_engine_options(time_scale, kv_tokens)
         if journal < 0:
             raise ValueError(f"journal: must be 0 or more requests, not {journal}")
+        if max_loras < 0:
+            raise ValueError(f"max_loras: must be 0 (LoRA off) or more, not {max_loras}")
+        if lora_load_s < 0:
+            raise ValueError(f"lora_load_s: must be 0 or more seconds, not {lora_load_s}")
     except ValueError as exc:
         raise _usage_error("sim-engine", exc) from None
 
     serve(host=host, port=port, profile=profile, time_scale=time_scale, kv_tokens=kv_tokens,
-          seed=seed, model_name=model_name, fault_injection=fault_injection, journal=journal)
+          seed=seed, model_name=model_name, fault_injection=fault_injection, journal=journal,
+          max_loras=max_loras, lora_load_s=lora_load_s)
 
 
 @command("tiny-model")
@@ -259,6 +266,7 @@ def worker(
     advertise_url: Annotated[Optional[str], typer.Option(help="the engine's URL as session gateways reach it (default: the engine URL this worker uses)", envvar="RB_ADVERTISE_URL")] = None,
     engine_host: Annotated[str, typer.Option(help="vllm:/sim: engines: the address the child engine binds (0.0.0.0 for a session gateway on another host; then give --engine-port and --advertise-url)", envvar="RB_ENGINE_HOST")] = "127.0.0.1",
     engine_port: Annotated[int, typer.Option(help="vllm:/sim: engines: the child engine's port (0: a free one)", envvar="RB_ENGINE_PORT")] = 0,
+    lora_cache: Annotated[int, typer.Option(help="LoRA adapters to keep loaded in the engine (0: its --max-loras); the least recently used idle one is unloaded for a new one", envvar="RB_LORA_CACHE")] = 0,
     log_level: Annotated[str, typer.Option(help="logging level", envvar="RB_LOG_LEVEL")] = "INFO",
 ) -> None:
     """Run admitted sessions on one engine (attached, or started as a child) until SIGTERM."""
@@ -275,9 +283,12 @@ def worker(
         backend_id=backend_id, redis_url=redis_url, namespace=namespace, heartbeat_s=heartbeat_s,
         heartbeat_ttl_s=heartbeat_ttl, drain_grace_s=drain_grace,
         engine_down_after_s=engine_down_after, vocab_size=vocab_size, advertise_url=advertise_url,
-        runner=RunnerSettings(request_timeout_s=request_timeout, retries=engine_retries))
+        lora_cache=lora_cache, runner=RunnerSettings(request_timeout_s=request_timeout, retries=engine_retries))
     try:
         _check_port("metrics_port", metrics_port)
+        if lora_cache < 0:
+            raise ValueError(f"lora_cache: {lora_cache} must be 0 (the engine's --max-loras) "
+                             "or more adapters")
     except ValueError as exc:
         raise _usage_error("worker", exc) from None
     _serve_metrics(metrics_port)

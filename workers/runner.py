@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -42,6 +43,9 @@ from workers.tools import (
     describe_error,
     per_turn_value,
 )
+
+if TYPE_CHECKING:
+    from workers.adapters import AdapterLoader
 
 log = logging.getLogger("rollout_broker.worker")
 
@@ -305,8 +309,10 @@ class _Episode:
 class SessionRunner:
     def __init__(self, http: httpx.AsyncClient, engine_url: str, model: str, max_model_len: int,
                  tools: ToolExecutor | None, settings: RunnerSettings | None = None,
-                 vocab_size: int | None = None, weights: EngineWeights | None = None) -> None:
+                 vocab_size: int | None = None, weights: EngineWeights | None = None,
+                 adapters: AdapterLoader | None = None) -> None:
         self.weights = weights or EngineWeights()
+        self.adapters = adapters  # None: the engine has LoRA off
         self.http = http
         self.base = engine_url.rstrip("/")
         self.model = model
@@ -395,11 +401,21 @@ class SessionRunner:
             extra["sim_tool_call"] = turn < sim_turns - 1
         if extra:
             params["extra_args"] = extra
-        body = {"model": self.model, "token_ids": prompt, "request_id": request_id,
-                "output_mode": "text" if text else "tokens", "sampling_params": params}
+        body = {"model": session.adapter or self.model, "token_ids": prompt,
+                "request_id": request_id, "output_mode": "text" if text else "tokens",
+                "sampling_params": params}
         started_on = self.weights.version_for(session)
         started = time.monotonic()
-        reply = await self._post(body)
+        try:
+            reply = await self._post(body)
+        except EngineError as exc:
+            if session.adapter is None or self.adapters is None or "HTTP 404" not in str(exc):
+                raise
+            # The engine lost the adapter (it restarted under this worker): load it again.
+            self.adapters.forget(session.adapter)
+            await self.adapters.acquire(session.adapter)
+            self.adapters.release(session.adapter)
+            reply = await self._post(body)
         choice = reply["choices"][0]
         usage = reply.get("usage") or {}
         details = usage.get("prompt_tokens_details")
@@ -465,8 +481,15 @@ class SessionRunner:
         would go on from (the worker stores it, so a dead worker or engine loses no finished
         turn)."""
         ep = _Episode.start(session, progress or Progress(session.session_id))
+        holds = None
         try:
             self._check_vocabulary(session)
+            if session.adapter is not None:
+                if self.adapters is None:
+                    raise EngineError(f"adapter: {session.adapter!r} needs LoRA, and this "
+                                      "engine runs without --enable-lora")
+                await self.adapters.acquire(session.adapter)
+                holds = session.adapter
             if not ep.history and ep.resume is None:  # prompt_text: the engine tokenizes it once
                 ep.history = await self.tokenize(session.prompt_text or "", special_tokens=True)
             for turn in range(ep.first, session.max_turns):
@@ -484,6 +507,8 @@ class SessionRunner:
             ep.error = f"session: {describe_error(exc)}"
         finally:
             ep.progress.waiting_on_tool = False
+            if holds is not None:
+                self.adapters.release(holds)
         return ep.outcome()
 
     async def _run_turn(self, ep: _Episode, turn: int,

@@ -98,3 +98,36 @@ def build_tiny_model(out: str | Path, seed: int = 0, vocab_size: int = 2048,
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": eos, "eos_token_id": eos, "do_sample": False}) + "\n")
     return out
+
+
+def build_tiny_lora(out: str | Path, base: str | Path, seed: int = 0, rank: int = 8) -> Path:
+    """Write a LoRA adapter for the tiny model at `base` to `out`, in PEFT's layout (what
+    vLLM's `/v1/load_lora_adapter` and `--lora-modules` read): `adapter_config.json` and
+    `adapter_model.safetensors` with A and B of rank `rank` on every layer's q_proj and v_proj,
+    both drawn from `seed` (PEFT starts B at zero, which would leave the model unchanged; a
+    trained adapter has moved it). Returns `out`."""
+    import torch
+    from safetensors.torch import save_file
+
+    base = Path(base)
+    config = json.loads((base / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    head_dim = hidden // config["num_attention_heads"]
+    outputs = {"q_proj": hidden, "v_proj": config["num_key_value_heads"] * head_dim}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        for module, width in outputs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(width, rank, generator=gen) * 0.5
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()},
+              str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base),
+        "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": sorted(outputs), "fan_in_fan_out": False,
+    }, indent=1) + "\n")
+    return out

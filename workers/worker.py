@@ -45,6 +45,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TypeVar
 
 import httpx
@@ -55,6 +56,7 @@ from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
 from broker.redis_conn import Outage, is_outage
 from broker.session import PartialRollout, Session, SessionResult, SessionState
 from broker.worker_link import AdmittedSession, BackendReclaimed, NotRegistered, WorkerLink
+from workers.adapters import AdapterLoader, read_max_loras
 from workers.engine import EngineInfo, EngineScrape, parse_metrics, read_engine_info
 from workers.runner import (
     EngineUnavailable,
@@ -112,6 +114,8 @@ class WorkerSettings:
     # The engine's URL as the session gateway reaches it (default: the URL this worker uses,
     # right when they share a host or a network namespace).
     advertise_url: str | None = None
+    # LoRA adapters to keep loaded in the engine (0: its --max-loras, vLLM's default CPU cache).
+    lora_cache: int = 0
     runner: RunnerSettings = field(default_factory=RunnerSettings)
 
 
@@ -127,7 +131,8 @@ class WorkerCounters:
 
 class Worker:
     def __init__(self, settings: WorkerSettings, engine_url: str, tools: ToolExecutor,
-                 weights_hook: WeightsHook | None = None, info: EngineInfo | None = None) -> None:
+                 weights_hook: WeightsHook | None = None, info: EngineInfo | None = None,
+                 max_loras: int | None = None) -> None:
         self.settings = settings
         self.weights_hook = weights_hook
         self.failure: str | None = None  # why the worker stopped by itself (a weights hook)
@@ -139,6 +144,9 @@ class Worker:
         self.counters = WorkerCounters()
         self.engine_up = True  # the circuit: closed while the engine serves
         self.info: EngineInfo | None = info  # read (and the engine checked) at start if None
+        # The engine's --max-loras (0: LoRA off); read from its /metrics at start if None.
+        self.max_loras: int | None = max_loras
+        self.adapters: AdapterLoader | None = None  # the adapters loaded there (LoRA on)
         self._outage = Outage(f"worker {settings.backend_id}", log)
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="redis")
         self._running: dict[str, tuple[asyncio.Task, Progress]] = {}
@@ -206,6 +214,9 @@ class Worker:
             self._io.shutdown(wait=True)
             self.link.close()
             return
+        if self.max_loras is None:
+            self.max_loras = await self._unless_stopped(asyncio.to_thread(
+                read_max_loras, self.engine_url))
         await self._unless_stopped(self._register())
         if not self._registered.is_set():
             log.info("worker %s: stopped before it registered", s.backend_id)
@@ -216,10 +227,14 @@ class Worker:
                               max_keepalive_connections=min(256, s.max_connections))
         timeout = httpx.Timeout(s.runner.request_timeout_s, pool=None)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
+            if self.max_loras:
+                self.adapters = AdapterLoader(
+                    http, self.engine_url, partial(self._redis_until_ok, self.link.adapter),
+                    s.lora_cache or self.max_loras)
             runner = SessionRunner(http, self.engine_url, self.info.model,
                                    self.info.max_model_len, self.tools, s.runner,
                                    vocab_size=s.vocab_size or self.info.vocab_size,
-                                   weights=self.weights)
+                                   weights=self.weights, adapters=self.adapters)
             await self._scrape_once(http)
             await self._label_weights(http, weights.version)
             if weights.paused:  # started during a weight update: join it
@@ -352,7 +367,8 @@ class Worker:
         vocab = self.settings.vocab_size or self.info.vocab_size
         await self._redis_until_ok(self.link.register, self.info.capacity_tokens,
                                    self.info.max_model_len, vocab,
-                                   self.settings.advertise_url or self.engine_url, self.info.model)
+                                   self.settings.advertise_url or self.engine_url, self.info.model,
+                                   self.max_loras or 0)
         self._registered.set()
         log.info("worker %s: registered, capacity %d tokens, max_model_len %d, vocabulary %s",
                  self.settings.backend_id, self.info.capacity_tokens, self.info.max_model_len,
@@ -570,7 +586,8 @@ class Worker:
             return
         progress = [p.snapshot() for _, p in list(self._running.values())]
         try:
-            self.link.heartbeat(self._scrape.metrics, progress, at=self._scraped_at)
+            self.link.heartbeat(self._scrape.metrics, progress, at=self._scraped_at,
+                                adapters=self.adapters.names if self.adapters else ())
         except Exception as exc:
             if is_outage(exc):
                 self._outage.failed(exc)

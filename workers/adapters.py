@@ -1,0 +1,163 @@
+"""LoRA adapters on the worker's engine: loaded on demand, through vLLM's own API.
+
+A session that names an adapter (`Session.adapter`) runs every request with vLLM's `model` set
+to the adapter's name. Before its first request the worker makes sure its engine has the
+adapter at the version the namespace registered (broker/adapters.py): `POST
+/v1/load_lora_adapter {lora_name, lora_path}` the first time, with `load_inplace` when the
+namespace registered new weights since. The engine must run with `--enable-lora` (and
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`, which `workers/engine.py` sets for engines it starts);
+`--max-loras` (the adapters one step may mix) is read from the engine's configuration
+(`/server_info`) and registered, so the broker places an adapter's sessions
+only where a slot is free or already holds it.
+
+The worker keeps at most `cache` adapters loaded (default: `max_loras`, which is vLLM's
+default `--max-cpu-loras`, its CPU cache of adapters) and unloads the least recently used one
+that no running session uses to make room. The loaded set goes out with every heartbeat: the
+broker prefers an engine that has a session's adapter already.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker.adapters import AdapterRecord
+from workers.runner import EngineError, EngineUnavailable
+
+log = logging.getLogger("rollout_broker.worker")
+
+LORA_INFO = "vllm:lora_requests_info"
+
+
+class AdapterError(EngineError):
+    """The session's adapter cannot be used (not registered, or the engine refused its files):
+    the session's fault, so it ends failed with the message."""
+
+
+def max_loras_from_metrics(text: str) -> int:
+    """`--max-loras` as the engine's /metrics reports it (the `max_lora` label of
+    `vllm:lora_requests_info`, which vLLM sets from its first scheduler step on); 0 when the
+    metric has no sample."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == LORA_INFO and sample.labels.get("max_lora"):
+                return int(sample.labels["max_lora"])
+    return 0
+
+
+def read_max_loras(url: str, timeout_s: float = 10.0) -> int:
+    """The engine's `--max-loras`, 0 with LoRA off: from its configuration (`GET
+    /server_info?config_format=json`, `vllm_config.lora_config`, served in the dev mode the
+    worker needs anyway), else from /metrics."""
+    base = url.rstrip("/")
+    r = httpx.get(base + "/server_info", params={"config_format": "json"}, timeout=timeout_s)
+    if r.status_code == 200:
+        config = r.json().get("vllm_config")
+        if isinstance(config, dict) and "lora_config" in config:
+            lora = config["lora_config"]
+            return int(lora.get("max_loras") or 0) if isinstance(lora, dict) else 0
+    r = httpx.get(base + "/metrics", timeout=timeout_s)
+    r.raise_for_status()
+    return max_loras_from_metrics(r.text)
+
+
+class AdapterLoader:
+    """The adapters this worker has loaded into its engine, least recently used first."""
+
+    def __init__(self, http: httpx.AsyncClient, engine_url: str,
+                 lookup: Callable[[str], Awaitable[AdapterRecord | None]], cache: int,
+                 timeout_s: float = 120.0) -> None:
+        if cache < 1:
+            raise ValueError(f"cache: {cache} must be at least 1 adapter")
+        self.http = http
+        self.base = engine_url.rstrip("/")
+        self.lookup = lookup
+        self.cache = cache
+        self.timeout_s = timeout_s
+        self.loaded: OrderedDict[str, int] = OrderedDict()  # name -> version, LRU first
+        # What the heartbeat thread reads: set anew (never changed in place) on every change.
+        self.names: tuple[str, ...] = ()
+        self.loads = 0  # loads sent to the engine (first loads and reloads)
+        self._users: dict[str, int] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def acquire(self, name: str) -> None:
+        """Make sure the engine has `name` at its registered version, and hold it loaded
+        until `release`. Raises AdapterError naming the adapter."""
+        self._users[name] = self._users.get(name, 0) + 1
+        try:
+            await self._ensure(name)
+        except BaseException:
+            self.release(name)
+            raise
+
+    def release(self, name: str) -> None:
+        left = self._users.get(name, 0) - 1
+        if left > 0:
+            self._users[name] = left
+        else:
+            self._users.pop(name, None)
+
+    def forget(self, name: str) -> None:
+        """The engine no longer has `name` (it answered 404 for it: restarted); load it again
+        on the next `acquire`."""
+        self.loaded.pop(name, None)
+        self.names = tuple(self.loaded)
+
+    async def _ensure(self, name: str) -> None:
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            record = await self.lookup(name)
+            if record is None:
+                raise AdapterError(f"adapter: {name!r} is not registered in this namespace")
+            have = self.loaded.get(name)
+            if have == record.version:
+                self.loaded.move_to_end(name)
+                return
+            await self._make_room(name)
+            await self._load(record, in_place=have is not None)
+            self.loaded[name] = record.version
+            self.loaded.move_to_end(name)
+            self.names = tuple(self.loaded)
+
+    async def _load(self, record: AdapterRecord, in_place: bool) -> None:
+        body = {"lora_name": record.name, "lora_path": record.path, "load_inplace": in_place}
+        r = await self._post("/v1/load_lora_adapter", body)
+        if r.status_code == 400 and "already been loaded" in r.text and not in_place:
+            # Loaded by this engine before this worker knew (a restarted worker): the
+            # registered weights go in over it.
+            r = await self._post("/v1/load_lora_adapter", {**body, "load_inplace": True})
+        if r.status_code >= 400:
+            raise AdapterError(f"adapter: {record.name!r} from {record.path}: the engine "
+                               f"refused it (HTTP {r.status_code}: {r.text[:300]})")
+        self.loads += 1
+        log.info("adapter %s: loaded version %d from %s", record.name, record.version,
+                 record.path)
+
+    async def _make_room(self, name: str) -> None:
+        """Unload least recently used adapters no running session holds, down to `cache` - 1
+        besides `name` (an adapter all of whose slots are in use stays: vLLM pages adapters
+        itself, so more loaded than the cache costs memory, not correctness)."""
+        if name in self.loaded:
+            return
+        for old in list(self.loaded):
+            if len(self.loaded) < self.cache:
+                return
+            if self._users.get(old):
+                continue
+            r = await self._post("/v1/unload_lora_adapter", {"lora_name": old})
+            if r.status_code < 400 or r.status_code == 404:
+                self.loaded.pop(old, None)
+                self.names = tuple(self.loaded)
+
+    async def _post(self, path: str, body: dict) -> httpx.Response:
+        try:
+            return await self.http.post(self.base + path, json=body, timeout=self.timeout_s)
+        except httpx.HTTPError as exc:  # the engine's fault: the session is handed back
+            raise EngineUnavailable(f"engine: {path} for adapter {body['lora_name']!r} "
+                                    f"failed: {type(exc).__name__}: {exc}") from exc
