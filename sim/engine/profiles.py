@@ -1,4 +1,4 @@
-"""Engine profiles: a GPU × model pair, its KV capacity, scheduler limits and step-time model.
+"""Engine profiles: GPUs × model, its KV capacity, scheduler limits and step-time model.
 
 Step time for one scheduler step (docs/engine-model.md):
 
@@ -63,6 +63,17 @@ Sources (keys used here, in the docs and in tests/sim/test_profiles.py):
   OPENAI_API_SERVER on a GPU with ≥ 70 GiB whose name does not contain "a100" (H100, H200),
   max_num_batched_tokens 8192 and max_num_seqs 1024 (LLM_CLASS: 16384 and 1024); otherwise
   (A100, smaller GPUs) 2048 and 256 (LLM_CLASS: 8192 and 256). block_size defaults to 16.
+- [CFG-L70] huggingface.co/meta-llama/Llama-3.1-70B config.json: 80 layers, hidden 8192,
+  64 query / 8 KV heads of 128, MLP 28,672, vocab 128,256, untied embeddings → 70.55B
+  parameters (131.4 GiB BF16); 136.9 GFLOP per prefill token; KV 2·80·8·128·2 B = 320 KiB per
+  token; 2.62 MFLOP per (query, key) pair.
+- [NVLINK] NVIDIA H100 SXM5 datasheet: fourth-generation NVLink, 900 GB/s per GPU in both
+  directions together (450 GB/s each way). NVIDIA's NCCL maintainer in NVIDIA/nccl-tests issue
+  212: "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an effective
+  NVLink bandwidth of 370GB/s" (ring bus bandwidth).
+- [AR-H100] sgl-project/sglang pull request 2904, vLLM's custom all-reduce on H100s, TP 2/4/8,
+  without CUDA graphs: at TP 4, 8.5–9.2 µs for 512 B–32 KiB, 20.6 µs at 256 KiB, 26.9 µs at
+  512 KiB, 40.2 µs at 1 MiB.
 
 Derivations and error bars (an error bar says how far the real GPU may plausibly be):
 - KV capacity: (0.9 × GPU memory − weights − activations) / KV bytes per token; activations
@@ -97,6 +108,24 @@ Derivations and error bars (an error bar says how far the real GPU may plausibly
   written each step) = 29.2 ms per step (BF16; FP8 25.9 ms), ±25%.
 - t_seq: logits (vocab × hidden) and sampling per sequence, ~10 µs (±50%; no reference
   separates it from t0 and b).
+- Tensor parallelism (h100x4-70b: Llama-3.1-70B on four H100s, TP 4). Each GPU holds a
+  quarter of every weight matrix and of the KV heads (8 KV heads, 2 per GPU: none replicated),
+  so the single-GPU roofline above applies per GPU to a quarter of the work, with the rates the
+  8B calibration found on an H100: 34.75 GB of weights per GPU read per step at 3.0 TB/s
+  (11.6 ms), 34.2 GFLOP per token per GPU at 609 TFLOP/s (56.2 µs), 80 KiB of KV per context
+  token per GPU at h100-8b's 47 ns per 128 KiB (29.4 ns), 0.66 MFLOP per (query, key) pair per
+  GPU at 437 TFLOP/s (1.50 ns), h100-8b's 1.4 ms of per-step overhead and 8 µs of t_seq. On
+  top of that, the all-reduces TP adds: two per layer (after attention's output projection and
+  after the MLP), 160 per step, each of N × hidden × 2 B. An all-reduce costs a latency plus a
+  ring's 2(tp − 1)/tp of its bytes over each GPU's NVLink: 8 µs ([AR-H100], small messages;
+  ±50%: CUDA graphs shorten it, larger steps lengthen it) and 370 GB/s ([NVLINK]), so
+  160 × 8 µs = 1.28 ms per step (in t0) and 160 × 1.5 × 16 KiB / 370 GB/s = 10.6 µs per
+  token (in a). vLLM does not overlap them with compute, hence additive. Known error: at 16–64
+  tokens per step (256 KiB–1 MiB messages) [AR-H100] measured 21–40 µs per all-reduce where
+  this line gives 9–12 µs, so decode steps of that size are up to ~4 ms (~20%) too short.
+  KV capacity per GPU: (71.7 − 32.9 − 4) GiB / 80 KiB = 456k tokens, the engine's capacity
+  (each token's KV spans the four GPUs); activations 4 GiB per GPU (the 8B's 3 GiB plus NCCL
+  and custom all-reduce buffers; ±2 GiB → ±6%).
 Scheduler limits are [VLLM-DEF]'s online-serving defaults for an H100/H200: 8192 batched tokens,
 1024 sequences, block 16. RL frameworks often override them ([V2]: 32768 and 256).
 End-of-sequence model (when a request gives no length): lognormal output length, median
@@ -183,6 +212,39 @@ _H200_OVERHEAD = 4.0e-3  # launch + scheduler + sampler per step, Qwen3-30B-A3B 
 _H200_ETA = 0.85  # achieved fraction of HBM bandwidth when streaming weights / KV
 _H200_ETA_FP8_MOE = 0.70  # block-FP8 expert kernels at small M (see the docstring: [G3], [IX])
 
+# What the h100-8b calibration says one H100 achieves (docstring: t0, a, b, c), reused per GPU
+# for a tensor-parallel engine.
+_H100_OVERHEAD = 1.4e-3  # s per step: launches, scheduler, sampler
+_H100_WEIGHT_BW = 3.0e12  # B/s streaming weights
+_H100_GEMM_RATE = 609e12  # FLOP/s in BF16 GEMMs
+_H100_ATTN_RATE = 437e12  # FLOP/s in chunked, paged prefill attention ([FA3] × 0.69)
+_H100_KV_READ = 47e-9 / _L_KV_BYTES  # s per KV byte a decode reads (h100-8b's b)
+_AR_LATENCY = 8e-6  # s per all-reduce of a small message, TP 4 on H100s [AR-H100]
+_NVLINK_BUS_BW = 370e9  # B/s a ring all-reduce moves over each H100's NVLink [NVLINK]
+
+# Llama-3.1-70B [CFG-L70]
+_L70_LAYERS, _L70_HIDDEN = 80, 8192
+_L70_KV_BYTES = 2 * 80 * 8 * 128 * 2  # 327,680 B = 320 KiB per token, all ranks together
+_L70_WEIGHTS_GIB = 131.42  # 70.55B parameters × 2 B
+_L70_READ_BYTES = 139.0e9  # what every step reads: all but the input embedding, 69.5B × 2 B
+_L70_GEMM_FLOP = 136.9e9  # per token: 2 × 68.45B linear parameters (no embeddings, no lm_head)
+_L70_ATTN_FLOP = 4 * 64 * 128 * 80  # per (query, key) pair: 2.62 MFLOP
+
+
+def tp_allreduce_cost(tp: int, layers: int, hidden: int) -> tuple[float, float]:
+    """(s per step, s per scheduled token) that tensor parallelism's all-reduces add to a
+    dense model's step: two per layer (attention output, MLP output) of N × hidden BF16
+    values each, every one paying `_AR_LATENCY` and moving a ring's 2(tp − 1)/tp of its bytes
+    over each GPU's NVLink. vLLM runs them between the GEMMs, not overlapped, so they add."""
+    if tp == 1:
+        return 0.0, 0.0
+    n = 2 * layers
+    wire_bytes_per_token = 2 * (tp - 1) / tp * hidden * 2
+    return n * _AR_LATENCY, n * wire_bytes_per_token / _NVLINK_BUS_BW
+
+
+_L70_TP4_STEP, _L70_TP4_TOKEN = tp_allreduce_cost(4, _L70_LAYERS, _L70_HIDDEN)  # 1.28 ms, 10.6 µs
+
 PROFILES: dict[str, EngineProfile] = {
     p.name: p
     for p in (
@@ -221,6 +283,20 @@ PROFILES: dict[str, EngineProfile] = {
             max_model_len=32_768,
             vocab_size=128_256,
             t0=4.25e-3, t_seq=8e-6, a=11.5e-6, b=25e-9, c=1.14e-9,
+        ),
+        EngineProfile(
+            name="h100x4-70b",  # Llama-3.1-70B, BF16 weights and KV, four H100 SXM 80GB, TP 4
+            served_model="sim-llama3-70b",
+            # per GPU: a quarter of the weights, 2 of the 8 KV heads (80 KiB per token) ≈ 456k
+            kv_tokens=kv_tokens_from_memory(H100_MEM_GIB, _L70_WEIGHTS_GIB / 4, 4.0,
+                                            _L70_KV_BYTES // 4),
+            max_model_len=32_768,
+            vocab_size=128_256,
+            t0=_H100_OVERHEAD + _L70_READ_BYTES / 4 / _H100_WEIGHT_BW + _L70_TP4_STEP,  # 14.3 ms
+            t_seq=8e-6,
+            a=_L70_GEMM_FLOP / 4 / _H100_GEMM_RATE + _L70_TP4_TOKEN,  # 66.8 µs
+            b=_H100_KV_READ * _L70_KV_BYTES / 4,  # 29.4 ns
+            c=_L70_ATTN_FLOP / 4 / _H100_ATTN_RATE,  # 1.50 ns
         ),
     )
 }

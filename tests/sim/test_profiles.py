@@ -255,6 +255,27 @@ REFS = [
     Ref("h200-30b-a3b-fp8", "TTFT 1k", _ttft(1024), 14 * MS, 0.30, "derived"),
     Ref("h200-30b-a3b-fp8", "TTFT 4k", _ttft(4096), 44 * MS, 0.30, "derived"),
     Ref("h200-30b-a3b-fp8", "TTFT 8k", _ttft(8192), 114 * MS, 0.30, "derived"),
+
+    # ---- h100x4-70b: Llama-3.1-70B BF16 on four H100 SXM, tensor parallel 4 ----
+    # Derived (no measurement found): per GPU a quarter of h100-8b's work at its rates, plus
+    # 160 all-reduces per step ([AR-H100] 8 µs, [NVLINK] 370 GB/s). Batch 1: 1.4 ms overhead +
+    # 34.75 GB at 3.0 TB/s (11.58 ms) + 160 × 8 µs (1.28 ms) + 8 µs + 66.8 µs + 29.4 ns × ctx.
+    # ±25%: the overhead at 80 layers and 4 ranks, and the all-reduce latency, are estimates.
+    Ref("h100x4-70b", "TPOT batch 1 @1k", _tpot1(1024), 14.37 * MS, 0.25, "derived"),
+    Ref("h100x4-70b", "TPOT batch 1 @8k", _tpot1(8192), 14.58 * MS, 0.25, "derived"),
+    Ref("h100x4-70b", "TPOT batch 1 @32k", _tpot1(32_000), 15.27 * MS, 0.25, "derived"),
+    # Derived: 34.2 GFLOP/token/GPU at 609 TFLOP/s + 10.6 µs/token of all-reduce, 0.66 MFLOP/pair
+    # per GPU at 437 TFLOP/s, one step's fixed 14.3 ms; ±25% (h100-8b's rates, ±20%, and the
+    # all-reduce bandwidth).
+    Ref("h100x4-70b", "TTFT 1k", _ttft(1024), 83.4 * MS, 0.25, "derived"),
+    Ref("h100x4-70b", "TTFT 4k", _ttft(4096), 300.5 * MS, 0.25, "derived"),
+    Ref("h100x4-70b", "TTFT 8k", _ttft(8192), 612 * MS, 0.25, "derived"),
+    # Derived roofline (as h100-8b's): 1.4 ms + max(14.4 ms GEMMs, 11.6 ms weights) +
+    # 256·2.6k·80 KiB at 3.0 TB/s (18.2 ms) + 2 ms sampling + 160 × (8 µs + 6 MiB / 370 GB/s)
+    # (4.0 ms) = 40.0 ms → 6,400 tok/s. The additive form counts the weight read and the GEMMs
+    # both, 11.6 ms here against h100-8b's 5.0: the simulation is ~25% slow (docs); ±30%.
+    Ref("h100x4-70b", "decode tok/s 256 × 2.5k", lambda p: 256 / decode_tpot(p, 256, 2560),
+        6400, 0.30, "derived"),
 ]
 
 
@@ -325,6 +346,9 @@ def test_scheduler_limits_are_vllms_defaults_for_h100_and_h200(name):
     ("h200-30b-a3b-fp8", 1_019_000),  # (126.4 − 29.1 − 4) GiB / 96 KiB: BF16 KV, as [V2] runs it
     ("h100-8b", 440_000),  # (71.7 − 15.0 − 3) GiB / 128 KiB
     ("h100-8b-fp8", 987_000),  # (71.7 − 8.5 − 3) GiB / 64 KiB (FP8 KV)
+    # Per GPU of four: (71.7 − 131.4/4 − 4) GiB / (320 KiB / 4): each GPU keeps 2 of the 8 KV
+    # heads of every token, so the engine holds what one GPU's share holds.
+    ("h100x4-70b", 456_500),
 ])
 def test_kv_capacity_follows_from_memory(name, tokens):
     assert get_profile(name).kv_tokens == pytest.approx(tokens, rel=0.03)
@@ -336,6 +360,54 @@ def test_a_decode_batch_of_an_moe_reads_more_experts_than_a_single_sequence():
     moe, dense = get_profile("h200-30b-a3b"), get_profile("h100-8b")
     assert decode_tpot(moe, 64, 1024) / decode_tpot(moe, 1, 1024) > 2.5
     assert decode_tpot(dense, 64, 1024) / decode_tpot(dense, 1, 1024) < 1.8
+
+
+# -- tensor parallelism --------------------------------------------------------------------
+
+def _one_gpu_equivalent(tp: EngineProfile) -> EngineProfile:
+    """Llama-3.1-70B on one hypothetical H100 with four times the memory, rebuilt here from
+    [CFG-L70] and h100-8b's H100 rates (not from the profile's constants): all the weights,
+    GEMMs, KV and attention on one GPU, and no all-reduce."""
+    read = (70.55e9 - 128_256 * 8192) * 2  # every weight but the input embedding, BF16
+    gemm = 2 * 80 * (8192 * (64 + 8 + 8 + 64) * 128 + 3 * 8192 * 28_672)
+    return dataclasses.replace(
+        tp, t0=1.4e-3 + read / 3.0e12, t_seq=8e-6, a=gemm / 609e12,
+        b=47e-9 * (2 * 80 * 8 * 128 * 2) / (128 * 1024), c=4 * 64 * 128 * 80 / 437e12)
+
+
+def _tp4_surplus(tokens: int) -> float:
+    """What a TP-4 step of `tokens` tokens (one sequence each) costs beyond a quarter of the
+    one-GPU step: three quarters of the per-step overhead and sampling, which every rank pays
+    whole, and 2 × 80 all-reduces of tokens × 8192 BF16 values (8 µs each plus a ring's 3/4 ×
+    2 of the bytes over 370 GB/s of NVLink)."""
+    allreduce = 160 * (8e-6 + 1.5 * tokens * 8192 * 2 / 370e9)
+    return 0.75 * (1.4e-3 + 8e-6 * tokens) + allreduce
+
+
+@pytest.mark.parametrize("streams, context", [(1, 1024), (1, 32_000), (64, 2048), (256, 2560)])
+def test_a_tp_decode_step_costs_a_quarter_of_one_gpus_plus_its_all_reduces(streams, context):
+    tp4 = get_profile("h100x4-70b")
+    one = _one_gpu_equivalent(tp4)
+    step4, step1 = decode_tpot(tp4, streams, context), decode_tpot(one, streams, context)
+    assert step4 > step1 / 4  # four GPUs never decode four times as fast
+    assert step4 - step1 / 4 == pytest.approx(_tp4_surplus(streams), rel=0.05)
+
+
+@pytest.mark.parametrize("prompt", [1024, 8192])
+def test_a_tp_prefill_costs_a_quarter_of_one_gpus_plus_its_all_reduces(prompt):
+    tp4 = get_profile("h100x4-70b")
+    one = _one_gpu_equivalent(tp4)
+    ttft4, ttft1 = single_ttft(tp4, prompt), single_ttft(one, prompt)
+    assert ttft4 > ttft1 / 4
+    surplus = _tp4_surplus(prompt) - 0.75 * 8e-6 * (prompt - 1)  # one sequence, not `prompt`
+    assert ttft4 - ttft1 / 4 == pytest.approx(surplus, rel=0.05)
+
+
+def test_tp_shards_the_kv_each_gpu_reads():
+    # A decode reads each GPU's 2 of the 8 KV heads: 80 KiB per context token against the
+    # 8B's 128 KiB on one GPU, at the same H100 bandwidth.
+    tp4, dense = get_profile("h100x4-70b"), get_profile("h100-8b")
+    assert _decode_attention(tp4) / _decode_attention(dense) == pytest.approx(80 / 128, rel=0.03)
 
 
 # -- bulk advancing stays exact with the MoE term ------------------------------------------
