@@ -370,9 +370,10 @@ class Worker:
                                    self.settings.advertise_url or self.engine_url, self.info.model,
                                    self.max_loras or 0)
         self._registered.set()
-        log.info("worker %s: registered, capacity %d tokens, max_model_len %d, vocabulary %s",
-                 self.settings.backend_id, self.info.capacity_tokens, self.info.max_model_len,
-                 vocab or "unknown")
+        log.info("worker %s: registered, capacity %d tokens, max_model_len %d, vocabulary %s, "
+                 "LoRA %s", self.settings.backend_id, self.info.capacity_tokens,
+                 self.info.max_model_len, vocab or "unknown",
+                 f"on (max_loras {self.max_loras})" if self.max_loras else "off")
 
     async def _withdraw(self, deadline_s: float) -> None:
         """Hand everything admitted here back (see `WorkerLink.withdraw`); if Redis stays down
