@@ -155,6 +155,7 @@ def print_table(console: Console, scenario: str, results: dict[str, FleetResult]
     console.print("start-up: how fast the trainer's first iterations completed against the "
                   "quickest baseline (above 1: sooner; docs/measurement.md)")
     print_weight_updates(console, results)
+    print_scale_changes(console, results)
     any_result = next(iter(results.values()), None)
     if bound is not None:
         barrier = (f", the sync steps' slowest sessions {100 * bound.barrier_share:.0f}% of "
@@ -198,6 +199,27 @@ def print_weight_updates(console: Console, results: dict[str, FleetResult]) -> N
         n = max(wu.updates, 1)
         t.add_row(name, f"{wu.updates:,}", f"{wu.paused_s / n:.2f}", f"{wu.drain_s / n:.2f}",
                   f"{wu.tokens_kept:,}", f"{wu.tokens_thrown_away:,}", f"{wu.reprefill_tokens:,}")
+    console.print(t)
+
+
+def print_scale_changes(console: Console, results: dict[str, FleetResult]) -> None:
+    """What engines joining and leaving (`fleet.changes`) did under each policy (nothing when
+    the fleet is fixed). Lost tokens are output generated twice because an engine left: 0
+    when every hand-back keeps its partial output."""
+    rows = {n: r for n, r in results.items() if r.metrics.scale is not None}
+    if not rows:
+        return
+    t = Table(title="fleet changes (engines joining; leaving through the drain)")
+    for col in ("policy", "joined", "left", "sessions delivered", "duplicates", "handed back",
+                "tokens handed back", "tokens lost", "re-prefill tokens"):
+        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "policy")
+    for name, r in rows.items():
+        sc = r.metrics.scale
+        ids = [s.session_id for s in r.sessions]
+        t.add_row(name, f"{sc.engines_joined:,}", f"{sc.engines_left:,}", f"{len(ids):,}",
+                  f"{len(ids) - len(set(ids)):,}", f"{sc.sessions_handed_back:,}",
+                  f"{sc.tokens_handed_back:,}", f"{sc.tokens_lost_to_scale_in:,}",
+                  f"{sc.reprefill_tokens:,}")
     console.print(t)
 
 

@@ -295,8 +295,10 @@ def fluid_bound(scenario: Scenario, scenario_path: str | Path, samples: int = 2_
     work = _work(sessions, profile)
     # A sync trainer keeps one step in flight (whole groups: at least its batch).
     inflight = (len(sessions) / len(steps)) if sync else float(trainer.inflight_bound)
-    best = _best_rate(work, profile, fleet.engines, inflight)
-    rate = fleet.engines / best.tau
+    # A fleet that changes (fleet.changes) is bounded by the most engines it ever has at once.
+    engines = fleet.most_engines
+    best = _best_rate(work, profile, engines, inflight)
+    rate = engines / best.tau
     barrier = 0.0
     if sync:
         fluid = slowest = 0.0

@@ -23,8 +23,17 @@ history as its prompt and its original enqueue time, to be admitted again on any
 broker/episodes.py queues it. Routers release every turn anyway: for them the driver changes
 nothing.
 
+Engines joining and leaving (`fleet.changes`, sim.membership): an added engine gets a fresh
+backend id, registers a ledger entry that refuses admissions, and is in the snapshot from its
+first heartbeat delivered. A removed engine drains as the live worker does on SIGTERM: it leaves
+the snapshot and takes no admission, its sessions run on for the drain grace, then each one still
+there goes back to the queue with what it had generated (a cut turn's partial output kept, as a
+`Session.resume_from` is), to go on elsewhere without generating anything twice. The run reports
+what that cost (`ScaleStats`), measured from the tokens the engines generated.
+
 The event loop takes, at each iteration, the earliest of: an engine's next segment end
-(`EngineCore.next_event_time`), a tool return, a reward/test completion, a heartbeat. The
+(`EngineCore.next_event_time`), a tool return, a reward/test completion, a heartbeat, a fleet
+change or the end of a leaving engine's drain grace. The
 policy is asked after every batch of events at one instant that changed what it could decide.
 
 The loop's own cost per event does not grow with the fleet: the engines' next event times are
@@ -67,11 +76,13 @@ from sim.metrics import (
     IterationRecord,
     KvSample,
     RunMetrics,
+    ScaleStats,
     SessionRecord,
     Trainer,
     WeightUpdateStats,
     summarize,
 )
+from sim.membership import Membership
 from sim.scenario import Scenario
 from sim.workloads.source import SessionSource
 from sim.workloads.truth import SimSession
@@ -79,6 +90,7 @@ from sim.workloads.truth import SimSession
 # Event kinds, in the order they are handled at one instant.
 _RESULT, _TOOL_RETURN, _HEARTBEAT, _TELEMETRY, _ARRIVAL, _TRAINED, _RESUME = 0, 1, 2, 3, 4, 5, 6
 _PARK = 7  # an agent-driven episode's idle timeout
+_FLEET, _CUT = 8, 9  # a scheduled fleet change (fleet.changes); a leaving engine's grace ends
 
 
 class SimulationError(RuntimeError):
@@ -105,7 +117,9 @@ class _Live:
     prompt_len: int = 0  # this turn's prompt length
     parked_context: int = 0  # tokens of history in KV after the last finished turn
     waiting_on_tool: bool = False  # between turns (agent-driven: between calls)
-    parked: bool = False  # agent-driven, idle past the timeout: released until its next call
+    # Released until its next turn, which is queued to be admitted again (anywhere): an
+    # agent-driven episode idle past the timeout, or a session whose engine left between turns.
+    parked: bool = False
     # Its latest admission: prompt tokens, calls it had left, when (an agent-driven view).
     placed_prompt: int = 0
     placed_turns: int = 0
@@ -116,6 +130,12 @@ class _Live:
     truncated: bool = False
     partial: list[int] = field(default_factory=list)  # this turn's output before a pause stopped it
     resuming: bool = False  # the request on the engine resumes a stopped turn
+    partial_from_scale_in: bool = False  # `partial` is from a leaving engine (else a pause)
+    # Output tokens the engines generated for it, every request counted (stopped ones too), and
+    # of those the ones a pause threw away (partial: false): the rest are in its result.
+    engine_tokens: int = 0
+    thrown_away: int = 0
+    handed_back: int = 0  # times a leaving engine handed it back to the queue
 
 
 @dataclass(slots=True)
@@ -168,10 +188,16 @@ class FleetSim:
             raise SimulationError(
                 f"vocab_size: {scenario.vocab_size} exceeds the {profile.name} profile's "
                 f"vocabulary ({profile.vocab_size}); prompts would hold ids the model lacks")
+        self._profile = profile
         self.engines: dict[str, EngineCore] = {
             f"e{i}": EngineCore(profile, kv_tokens=scenario.fleet.kv_tokens, seed=scenario.seed + i)
             for i in range(scenario.fleet.engines)
         }
+        # Engines joining and leaving (fleet.changes): their states, and what the changes did.
+        self.members = Membership(self.engines)
+        self._scale_totals = {"engines_joined": 0, "engines_left": 0, "sessions_handed_back": 0,
+                              "tokens_handed_back": 0, "tokens_lost_to_scale_in": 0,
+                              "reprefill_tokens": 0}
         self.trainer = Trainer.from_scenario(scenario, source)
         self.now = 0.0
         self.live: dict[str, _Live] = {}
@@ -225,10 +251,11 @@ class FleetSim:
             self._next_at[b] = None
             engine.on_change = self._engine_notifier(b)
             self._engine_changed(b)
-        # The backend views of the last snapshot (in engine order), and the backends whose
-        # view must be built again: their resident sessions, telemetry or α changed.
-        self._view_pos = {b: i for i, b in enumerate(self.engines)}
-        self._views: list[BackendView | None] = [None] * len(self.engines)
+        # The backend views of the last snapshot (the visible engines, in engine order), and
+        # the backends whose view must be built again: their resident sessions, telemetry or α
+        # changed (marks of engines not in the snapshot are skipped).
+        self._view_pos = {b: i for i, b in enumerate(self.members.visible)}
+        self._views: list[BackendView | None] = [None] * len(self._view_pos)
         self._views_tuple: tuple[BackendView, ...] | None = None
         self._stale_views: set[str] = set(self.engines)
 
@@ -257,6 +284,8 @@ class FleetSim:
         if not self.policy.dispatch_on_arrival:
             self._agent_view = set(self.idle_timeout_s)
         self._enqueue_from_trainer()
+        for i, change in enumerate(self.scenario.fleet.changes):
+            self._schedule(change.at_s, _FLEET, str(i))
         self._heartbeat()
         self._schedule(self.heartbeat_s, _HEARTBEAT, "")
         self._maybe_decide()
@@ -299,6 +328,10 @@ class FleetSim:
                     self._resume()
                 elif kind == _PARK:
                     self._on_idle_timeout(self.live[sid])
+                elif kind == _FLEET:
+                    self._on_fleet_change(int(sid))
+                elif kind == _CUT:
+                    self._cut_engine(sid)
                 else:
                     self._on_result(self.live.pop(sid))
             if self._pause is not None and self._pause.paused_at is None:
@@ -404,16 +437,18 @@ class FleetSim:
         self._apply(self.policy.decide(snapshot))
 
     def _backend_views(self) -> tuple[BackendView, ...]:
-        """Every backend's view, in engine order: the last decide's, but built again for the
-        backends marked stale since."""
+        """Every visible backend's view, in engine order: the last decide's, but built again
+        for the backends marked stale since."""
         if self._stale_views or self._views_tuple is None:
-            views = self._views
+            views, pos = self._views, self._view_pos
             for b in self._stale_views:
-                views[self._view_pos[b]] = self._backend_view(b)
+                i = pos.get(b)
+                if i is not None:  # (not a leaving or joining engine's)
+                    views[i] = self._backend_view(b)
             self._stale_views.clear()
             self._views_tuple = tuple(views)
         if self.check:
-            fresh = tuple(self._backend_view(b) for b in self.engines)
+            fresh = tuple(self._backend_view(b) for b in self.members.visible)
             if fresh != self._views_tuple:
                 wrong = [f.backend_id for f, v in zip(fresh, self._views_tuple) if f != v]
                 raise SimulationError(f"check: stale backend views for {wrong} (at {self.now})")
@@ -477,20 +512,25 @@ class FleetSim:
         its admissions, and of the backends its recharged sessions are charged on. A session is
         charged on one backend at most, its `_Live.backend` (it is released before it is pending
         again), so `apply_decision` reads the same entries as from the whole ledger without
-        indexing every resident session of the fleet on every decide."""
+        indexing every resident session of the fleet on every decide. (A joining or leaving
+        engine's entry refuses admissions: `LedgerEntry.healthy` is off.)"""
         def charged_on(sid: str) -> str | None:
             live = self.live.get(sid)
             return live.backend if live is not None else None
 
         touched, _ = touched_backends(decision, charged_on)
-        pos = self._view_pos
-        return {b: self.ledger[b] for b in sorted(touched & pos.keys(), key=pos.__getitem__)}
+        order = self.members.order
+        mine = sorted(touched & self.ledger.keys(), key=order.__getitem__)
+        return {b: self.ledger[b] for b in mine}
 
     # -- sessions on engines ---------------------------------------------------------------
     def _submit_turn(self, live: _Live) -> None:
         sim = live.sim
         prompt = live.history
         live.waiting_on_tool = False
+        if live.backend in self.members.cut or live.backend in self.members.gone:
+            raise SimulationError(f"session {sim.session_id}: a turn submitted to engine "
+                                  f"{live.backend}, which has left (at {self.now})")
         if self._pause is not None:
             self._held.append(live)  # the engine is paused: the request starts on resume
             self._update_resident(live)
@@ -513,9 +553,11 @@ class FleetSim:
     def _on_turn_finished(self, req: EngineRequest) -> None:
         live = self.by_request.pop(req.request_id)
         live.request = None
+        live.engine_tokens += req.num_output_tokens
         if live.resuming and req.num_cached_tokens >= 0:
             recomputed = req.num_prompt_tokens - req.num_cached_tokens
-            self._update_totals["reprefill_tokens"] += recomputed
+            totals = self._scale_totals if live.partial_from_scale_in else self._update_totals
+            totals["reprefill_tokens"] += recomputed
         if req.finish_reason is FinishReason.abort:
             self._on_turn_stopped(live, req)
             return
@@ -550,6 +592,8 @@ class FleetSim:
                 timeout = self.idle_timeout_s.get(live.sim.workload)
                 if timeout is not None and wait > timeout:  # no call within the timeout
                     self._schedule(self.now + timeout, _PARK, live.sim.session_id)
+                if live.backend in self.members.cut:  # its engine is leaving: go on elsewhere
+                    self._hand_back_between_turns(live)
             return
         self._release(live)
         self.completions.append(Completion(
@@ -564,24 +608,167 @@ class FleetSim:
         self._schedule(self.now + truth.final_latency_s, _RESULT, live.sim.session_id)
 
     def _on_turn_stopped(self, live: _Live, req: EngineRequest) -> None:
-        """A pause with mode=abort stopped the turn: the session goes back to pending, to
-        resume from its output so far (a partial rollout: its prompt grows by that output,
-        which is prefilled again) or, with `partial: false`, to run the turn again."""
+        """A pause with mode=abort, or an engine leaving the fleet, stopped the turn: the
+        session goes back to pending, to resume from its output so far (a partial rollout: its
+        prompt grows by that output, which is prefilled again) or, after a pause with
+        `partial: false`, to run the turn again. A leaving engine always hands its sessions
+        back with their output (the live worker's drain, workers/runner.py `Handoff`), to the
+        front of the queue with their enqueue time, as requeue.lua puts them."""
         n = req.num_output_tokens
         live.cached_tokens += max(0, req.num_cached_tokens)
         if n and live.first_token_at is None:
             live.first_token_at = req.first_token_time
         if req.finish_time is not None and req.num_cached_tokens >= 0:
             live.kv_turns.append((live.prompt_len, n, req.finish_time - req.arrival_time))
-        if self.weight_update.partial:
+        scale_in = live.backend in self.members.cut
+        if scale_in or self.weight_update.partial:
             live.partial += req.output_token_ids
             live.history = live.history + req.output_token_ids
             live.history_hashes = req.block_hashes
-            self._update_totals["tokens_kept"] += n
+            live.partial_from_scale_in = scale_in
+            totals = self._scale_totals if scale_in else self._update_totals
+            totals["tokens_handed_back" if scale_in else "tokens_kept"] += n
         else:
+            live.thrown_away += n
             self._update_totals["tokens_thrown_away"] += n
         self._release(live)
-        self._make_pending(live)
+        if scale_in:
+            self._count_hand_back(live)
+        self._make_pending(live, requeue=scale_in)
+
+    # -- engines joining and leaving (fleet.changes) ----------------------------------------
+    def _on_fleet_change(self, index: int) -> None:
+        change = self.scenario.fleet.changes[index]
+        if change.add is not None:
+            for _ in range(change.add):
+                self._add_engine()
+            return
+        for b in self.members.victims(change.remove):
+            self._begin_leaving(b, change.drain_grace_s or 0.0)
+
+    def _add_engine(self) -> None:
+        """A worker pod starts with a fresh engine and backend id. It registers its ledger
+        entry at once (refusing admissions: `healthy` off) and is in the policy's snapshot from
+        its first heartbeat delivered (`_beats_of_members`)."""
+        i = len(self.engines)
+        b = f"e{i}"
+        engine = EngineCore(self._profile, kv_tokens=self.scenario.fleet.kv_tokens,
+                            seed=self.scenario.seed + i)
+        self.engines[b] = engine
+        self.resident[b], self._progress[b] = {}, {}
+        self.ledger[b] = LedgerEntry(capacity_tokens=engine.num_gpu_blocks * engine.block_size,
+                                     healthy=False)
+        self._next_at[b] = None
+        engine.on_change = self._engine_notifier(b)
+        self._engine_changed(b)
+        self.members.join(b, self.now)
+        self._scale_totals["engines_joined"] += 1
+
+    def _beats_of_members(self, telemetry: dict[str, Telemetry],
+                          progress: dict[str, dict[str, ResidentSession]],
+                          ) -> tuple[dict[str, Telemetry], dict[str, dict[str, ResidentSession]]]:
+        """A delivered beat, less the engines that left since it was taken; an engine whose
+        first beat this is joins the snapshot (and its ledger entry admits)."""
+        members = self.members
+        telemetry = {b: t for b, t in telemetry.items() if members.serving(b)}
+        progress = {b: p for b, p in progress.items() if members.serving(b)}
+        joined = [b for b in telemetry if members.seen(b)]
+        for b in joined:
+            self.ledger[b].healthy = True
+        if joined:
+            self._visible_changed()
+        return telemetry, progress
+
+    def _visible_changed(self) -> None:
+        """An engine joined or left the snapshot: index the views again, keeping those of the
+        engines that stay."""
+        kept = {b: self._views[i] for b, i in self._view_pos.items()}
+        visible = self.members.visible
+        self._view_pos = {b: i for i, b in enumerate(visible)}
+        self._views = [kept.get(b) for b in visible]
+        self._stale_views.update(b for b in visible if kept.get(b) is None)
+        self._views_tuple = None
+        self._dirty = True
+
+    def _begin_leaving(self, b: str, grace_s: float) -> None:
+        """SIGTERM to a worker pod: from now on it takes no admission (it leaves the snapshot and
+        its ledger entry refuses them), its sessions run on for `grace_s`, then the rest are
+        cut (`_cut_engine`). It has left once nothing of it remains in the ledger."""
+        self.members.leave(b)
+        self.ledger[b].healthy = False
+        self.telemetry.pop(b, None)
+        self._visible_changed()
+        if grace_s > 0:
+            self._schedule(self.now + grace_s, _CUT, b)
+            self._leave_if_empty(b)
+        else:
+            self._cut_engine(b)
+
+    def _cut_engine(self, b: str) -> None:
+        """The drain grace of `b` is over: every session still on it goes back to the queue with
+        what it has, as the live worker hands its sessions back (workers/runner.py `Handoff`,
+        `Session.resume_from`). A turn on the engine is aborted at the next step boundary and
+        its session resumes from the output so far (`_on_turn_stopped`); a turn that
+        completes in that step, or a session between turns, goes on elsewhere at its next
+        turn (`_hand_back_between_turns`); a turn held by a weight update's pause is queued."""
+        if not self.members.start_cut(b):
+            return  # it emptied during the grace and has left
+        engine = self.engines[b]
+        engine.settle(self.now)
+        engine.abort_all()
+        for req in engine.advance(self.now):
+            self._on_turn_finished(req)
+        if b not in self.members.leaving:
+            return
+        for sid in list(self.ledger[b].sessions):
+            live = self.live[sid]
+            if live.request is not None:
+                continue  # its abort ends the step in flight (`_on_turn_finished` then)
+            if live.waiting_on_tool:
+                self._hand_back_between_turns(live)
+            else:  # held: submitted during a pause, to start on the resume
+                self._held = [h for h in self._held if h is not live]
+                live.reserved = 0
+                self._release(live)
+                self._count_hand_back(live)
+                self._make_pending(live, requeue=True)
+            if b not in self.members.leaving:
+                return
+        self._leave_if_empty(b)
+
+    def _hand_back_between_turns(self, live: _Live) -> None:
+        """A session between turns on an engine that leaves: released now; its next turn (when
+        its tool returns) is queued to be admitted again, with the conversation so far."""
+        live.parked = True
+        live.reserved = 0
+        self._release(live)
+        self._count_hand_back(live)
+
+    def _count_hand_back(self, live: _Live) -> None:
+        live.handed_back += 1
+        self._scale_totals["sessions_handed_back"] += 1
+
+    def _leave_if_empty(self, b: str) -> None:
+        """A leaving engine with no session left in its ledger has left the fleet."""
+        if self.ledger[b].sessions:
+            return
+        if self.engines[b].has_unfinished():
+            raise SimulationError(f"engine {b} leaves with requests of no session (at {self.now})")
+        self.members.left(b, self.now)
+        del self.ledger[b], self.resident[b], self._progress[b]
+        self._scale_totals["engines_left"] += 1
+
+    def _account_tokens(self, live: _Live, record: SessionRecord) -> None:
+        """Every output token an engine generated for a delivered session is in its result,
+        but those a pause with `partial: false` threw away. What else is missing from a result
+        was generated again: counted as lost to scale-in for a session a leaving engine handed
+        back, and a bug anywhere else (raised under `check`)."""
+        missing = live.engine_tokens - live.thrown_away - record.output_tokens
+        if live.handed_back:
+            self._scale_totals["tokens_lost_to_scale_in"] += missing
+        elif self.check and missing:
+            raise SimulationError(f"check: session {record.session_id}: its engines generated "
+                                  f"{missing} output tokens its result lacks (at {self.now})")
 
     # -- weight updates --------------------------------------------------------------------
     def _on_iteration(self, it: IterationRecord) -> None:
@@ -687,6 +874,7 @@ class FleetSim:
             cached_tokens=live.cached_tokens, turns=live.turn,
         )
         self.records.append(record)
+        self._account_tokens(live, record)
         for it in self.trainer.on_result(record, self.now):
             self._on_iteration(it)
         self._enqueue_from_trainer()
@@ -724,26 +912,34 @@ class FleetSim:
             self._stale_views.add(live.backend)
 
     def _release(self, live: _Live) -> None:
-        self.ledger[live.backend].release(live.sim.session_id)
-        if self.resident[live.backend].pop(live.sim.session_id, None) is not None:
-            self._stale_views.add(live.backend)
-        self._progress[live.backend].pop(live.sim.session_id, None)
+        b = live.backend
+        self.ledger[b].release(live.sim.session_id)
+        if self.resident[b].pop(live.sim.session_id, None) is not None:
+            self._stale_views.add(b)
+        self._progress[b].pop(live.sim.session_id, None)
         self._dirty = True
+        if b in self.members.leaving:
+            self._leave_if_empty(b)
 
     def _heartbeat(self) -> None:
         """What workers report once per heartbeat: engine metrics and session progress, taken
         now and delivered `lag_s` later."""
         telemetry: dict[str, Telemetry] = {}
         progress: dict[str, dict[str, ResidentSession]] = {}
+        members = self.members
         for b, engine in self.engines.items():
+            if b in members.gone:
+                continue
             st = engine.stats()
+            self.kv_samples.append(KvSample(at=self.now, engine_id=b, usage=st.kv_usage,
+                                            preemptions_total=st.num_preemptions_total))
+            if b in members.leaving:
+                continue  # a draining worker's beats no longer reach the policy
             telemetry[b] = Telemetry(
                 at=self.now, kv_usage=st.kv_usage, running=st.num_running, waiting=st.num_waiting,
                 preemptions_total=st.num_preemptions_total,
                 prefix_queries_total=st.prefix_queries_total, prefix_hits_total=st.prefix_hits_total,
             )
-            self.kv_samples.append(KvSample(at=self.now, engine_id=b, usage=st.kv_usage,
-                                            preemptions_total=st.num_preemptions_total))
             if not self.policy.reads_progress:
                 continue
             # Only requests the engine is running make progress; parked sessions and queued
@@ -766,7 +962,11 @@ class FleetSim:
     def _deliver(self, telemetry: dict[str, Telemetry],
                  progress: dict[str, dict[str, ResidentSession]]) -> None:
         """A heartbeat reaches the broker: its metrics, and the progress of the sessions that
-        are still resident (with the ledger's reservation as it is now)."""
+        are still resident (with the ledger's reservation as it is now). An engine's first
+        beat puts it in the snapshot; the beats of one that left since they were taken are
+        dropped."""
+        if self.scenario.fleet.changes:
+            telemetry, progress = self._beats_of_members(telemetry, progress)
         self.telemetry.update(telemetry)
         self._stale_views.update(telemetry)  # (and `progress` is of backends among these)
         for b, sessions in progress.items():
@@ -795,11 +995,14 @@ class FleetSim:
         for sim, at in self.enqueued:
             if at <= 0.0:
                 first_fill[sim.workload] = first_fill.get(sim.workload, 0) + 1
+        changes = bool(self.scenario.fleet.changes)
         metrics = summarize(self.records, iterations, engines, self.kv_samples,
                             self.trainer.mixture, 0.0, end, self.scenario.trainer.batch_size,
-                            first_fill)
+                            first_fill, present=self.members.present if changes else None)
         if self.weight_update is not None:
             metrics = replace(metrics, weight_updates=WeightUpdateStats(**self._update_totals))
+        if changes:
+            metrics = replace(metrics, scale=ScaleStats(**self._scale_totals))
         return FleetResult(
             policy=self.policy.name, metrics=metrics, iterations=list(iterations),
             sessions=list(self.records), kv_samples=self.kv_samples, engines=engines,

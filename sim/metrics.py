@@ -132,6 +132,31 @@ class WeightUpdateStats:
 
 
 @dataclass(frozen=True, slots=True)
+class ScaleStats:
+    """What the scenario's fleet changes (`fleet.changes`) did.
+
+    - `engines_joined` / `engines_left`: engines that joined, and that finished leaving (every
+      session handed back or done), within the run;
+    - `sessions_handed_back`: hand-backs by leaving engines, each counted (a session cut twice
+      counts twice): cut mid-turn with its partial output, or moved between turns;
+    - `tokens_handed_back`: output tokens of cut turns that their sessions went on from;
+    - `tokens_lost_to_scale_in`: output tokens the engines generated for delivered sessions
+      that a leaving engine handed back, less the tokens of their results (and less what a
+      weight update with `partial: false` threw away): what was generated twice because an
+      engine left. 0 when every hand-back keeps its partial output;
+    - `reprefill_tokens`: prompt tokens the requests that went on from a cut turn computed again
+      (the conversation so far, less what the new engine's prefix cache held).
+    """
+
+    engines_joined: int
+    engines_left: int
+    sessions_handed_back: int
+    tokens_handed_back: int
+    tokens_lost_to_scale_in: int
+    reprefill_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class RunMetrics:
     span_s: float
     tokens_per_s: float
@@ -150,6 +175,7 @@ class RunMetrics:
     drift: DriftReport
     warnings: tuple[str, ...] = ()
     weight_updates: WeightUpdateStats | None = None  # None: the scenario updates no weights
+    scale: ScaleStats | None = None  # None: the scenario's fleet does not change
     # When each iteration completed, seconds after the trainer's start: the trainer's progress
     # (what `start_up_speed` compares between policies).
     iteration_done_s: tuple[float, ...] = ()
@@ -177,11 +203,14 @@ def prefix_hit_rate(engines: Iterable[EngineCounters]) -> float:
     return sum(e.prefix_hits for e in engines) / queries if queries else 0.0
 
 
-def kv_utilisation(samples: Iterable[KvSample], start: float, end: float) -> float:
+def kv_utilisation(samples: Iterable[KvSample], start: float, end: float,
+                   present: Mapping[str, tuple[float, float]] | None = None) -> float:
     """Time-weighted mean KV usage over [start, end], averaged over the engines sampled.
 
     An engine's usage is 0 before its first sample (engines start empty) and holds each sampled
-    value until its next sample or `end`.
+    value until its next sample or `end`. `present` (a fleet that changes): engine id ->
+    (joined, left); an engine counts only while it is in the fleet, so the result is the KV
+    usage per engine-second present, and a fixed fleet's figure is the same with or without it.
     """
     if end <= start:
         raise ValueError(f"span: end ({end}) must be after start ({start})")
@@ -190,17 +219,24 @@ def kv_utilisation(samples: Iterable[KvSample], start: float, end: float) -> flo
         by_engine.setdefault(s.engine_id, []).append(s)
     if not by_engine:
         return 0.0
-    means = []
-    for series in by_engine.values():
+    areas, seconds = [], []
+    for engine_id, series in by_engine.items():
+        joined, left = present.get(engine_id, (start, end)) if present else (start, end)
+        lo_e, hi_e = max(start, joined), min(end, left)
+        if hi_e <= lo_e:
+            continue
         series.sort(key=lambda s: s.at)
         area = 0.0
         for cur, nxt in zip(series, [*series[1:], None]):
-            lo = max(cur.at, start)
-            hi = min(nxt.at if nxt is not None else end, end)
+            lo = max(cur.at, lo_e)
+            hi = min(nxt.at if nxt is not None else hi_e, hi_e)
             if hi > lo:
                 area += cur.usage * (hi - lo)
-        means.append(area / (end - start))
-    return sum(means) / len(means)
+        areas.append(area)
+        seconds.append(hi_e - lo_e)
+    if present is None:  # every engine over the whole span: the mean of their means
+        return sum(a / (end - start) for a in areas) / len(areas)
+    return sum(areas) / sum(seconds) if seconds else 0.0
 
 
 def latency_percentile(sessions: Iterable[SessionRecord], q: float) -> float:
@@ -342,13 +378,15 @@ def summarize(
     end: float,
     batch_size: int | None = None,
     first_fill: Mapping[str, int] | None = None,
+    present: Mapping[str, tuple[float, float]] | None = None,
 ) -> RunMetrics:
     """Every §6 metric over the measured span [start, end] (normally trainer start → last
     iteration), and the same split into the cold start and the steady state, with the drift
     taken apart (`DriftReport`) and warnings when the run is too short to say much.
 
     `first_fill`: sessions per workload the trainer enqueued at `start`, returned or not
-    (default: those among `sessions` enqueued by then)."""
+    (default: those among `sessions` enqueued by then). `present`: when each engine joined and
+    left, for a fleet that changes (`kv_utilisation`)."""
     tokens_s, sessions_s = throughput(sessions, start, end)
     drift = tuple(mixture_drift(dict(it.consumed), target) for it in iterations)
     measured = [s for s in sessions if start <= s.finished_at <= end]
@@ -399,7 +437,7 @@ def summarize(
         mean_drift=sum(drift) / len(drift),
         prefix_hit_rate=prefix_hit_rate(engines),
         preemptions=sum(e.preemptions for e in engines),
-        kv_utilisation=kv_utilisation(kv_samples, start, end),
+        kv_utilisation=kv_utilisation(kv_samples, start, end, present),
         latency_p50_s=latency_percentile(measured, 50),
         latency_p99_s=latency_percentile(measured, 99),
         cold=cold,

@@ -180,10 +180,40 @@ WorkloadSpec = Annotated[RlvrSpec | RlhfSpec | AgenticSpec, Field(discriminator=
 WORKLOAD_KINDS = ("rlvr", "rlhf", "agentic")
 
 
+class FleetChange(BaseModel):
+    """Engines joining or leaving the fleet mid-run, as an autoscaler (KEDA on the worker
+    StatefulSet, deploy/k8s/overlays/gpu-autoscale) adds and removes worker pods.
+
+    `add: n`: n new engines (same profile, fresh backend ids) join at `at_s`; the policy sees
+    each from its first heartbeat. `remove: n`: the n most recently added engines still serving
+    leave, as a StatefulSet scales in from its highest ordinal. A leaving engine drains as the
+    live worker does on SIGTERM: it takes no admission from `at_s` on, its sessions run on for
+    `drain_grace_s`, then every one still there is handed back to the queue with what it had
+    generated (a cut turn's partial output included) to go on from it elsewhere (sim.fleet)."""
+
+    model_config = _STRICT
+
+    at_s: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]  # virtual seconds from the start
+    add: PosInt | None = None
+    remove: PosInt | None = None
+    # remove only: how long its sessions may still run before they are cut and handed back
+    # (the live worker's --drain-grace, 30 s by default; 0 cuts them at once).
+    drain_grace_s: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = None
+
+    @model_validator(mode="after")
+    def _one_change(self) -> FleetChange:
+        if (self.add is None) == (self.remove is None):
+            raise ValueError("give exactly one of add (engines that join) and remove (engines "
+                             "that leave)")
+        if self.add is not None and self.drain_grace_s is not None:
+            raise ValueError("drain_grace_s: only a remove drains engines")
+        return self
+
+
 class FleetSpec(BaseModel):
     model_config = _STRICT
 
-    engines: PosInt
+    engines: PosInt  # at the start; `changes` adds and removes engines later
     # Resolved by the engine model (sim/engine); only its shape is checked here.
     profile: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9.\-]{0,63}$")]
     kv_tokens: PosInt | None = None  # override the profile's KV capacity (tokens per engine)
@@ -191,6 +221,32 @@ class FleetSpec(BaseModel):
     # deployment that passes --max-num-seqs / --max-num-batched-tokens does.
     max_num_seqs: PosInt | None = None
     max_num_batched_tokens: PosInt | None = None
+    # Scale-out and scale-in during the run, in time order (see FleetChange); none: a fixed fleet.
+    changes: list[FleetChange] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _changes_keep_an_engine(self) -> FleetSpec:
+        serving = self.engines
+        for i, change in enumerate(self.changes):
+            if i and change.at_s < self.changes[i - 1].at_s:
+                raise ValueError(f"changes.{i}.at_s: {change.at_s:g} s is before the change "
+                                 f"above it ({self.changes[i - 1].at_s:g} s): list them in time "
+                                 "order")
+            if change.remove is not None and change.remove >= serving:
+                raise ValueError(f"changes.{i}.remove: removes {change.remove} at "
+                                 f"{change.at_s:g} s, where {serving} serve: at least one "
+                                 "engine must stay")
+            serving += change.add or -change.remove
+        return self
+
+    @property
+    def most_engines(self) -> int:
+        """The most engines serving at once over the run (`engines` when none is added)."""
+        serving = most = self.engines
+        for change in self.changes:
+            serving += change.add or -change.remove
+            most = max(most, serving)
+        return most
 
 
 class WeightUpdateSpec(BaseModel):
