@@ -1,13 +1,19 @@
 """Kubernetes manifests (deploy/k8s): what each overlay renders is valid against the Kubernetes
 schemas, and runs the CLI the way the code expects (commands, options, settings, grace periods).
 
-The overlays use only `resources` and `components`, which `render()` below reproduces in Python,
-so the schema validation and every invariant run without kubectl; where kubectl is installed,
-`kubectl kustomize` must render exactly the same objects.
+The overlays use only `resources`, `components` and strategic-merge `patches`, which `render()`
+below reproduces in Python, so the schema validation and every invariant run without kubectl;
+where kubectl is installed, `kubectl kustomize` must render exactly the same objects.
+
+KEDA's `ScaledObject` (the autoscale overlays) is a custom resource, with no schema in
+kubernetes-validate: `check_scaled_object` checks its shape field by field (KEDA's ScaledObject
+specification), its HPA behavior is validated as the HorizontalPodAutoscaler KEDA makes of it,
+and the tests at the end check it against the render it is in and the metrics the API exports.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
 import os
@@ -17,6 +23,7 @@ import shutil
 import subprocess
 from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 from urllib.parse import urlparse
 
@@ -26,18 +33,24 @@ import pytest
 import typer.main
 import yaml
 from kubernetes_validate.utils import latest_version
+from prometheus_client.parser import text_string_to_metric_families
 
+from api.models import BackendStatus, BrokerStatus, MixtureStatus, StatusPublic, WorkloadStatus
+from api.routers.metrics import metrics as metrics_route
 from rollout_broker.cli import app
 from broker.keys import Keys, check_backend_id
 from broker.policies import live_policy_names
 from broker.redis_conn import check_redis_url
 from sim.engine.profiles import get_profile
-from workers.engine import ChildEngine, EngineSpec
+from workers.engine import ChildEngine, EngineSpec, engine_gpus
 from workers.worker import Worker, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("overlays/gpu", "overlays/cpu")
+OVERLAYS = ("overlays/gpu", "overlays/gpu-tp4", "overlays/cpu", "overlays/gpu-autoscale",
+            "overlays/cpu-autoscale")
+# The overlays whose engine workers KEDA scales, and their StatefulSet.
+AUTOSCALED = {"overlays/gpu-autoscale": "worker-gpu", "overlays/cpu-autoscale": "worker-sim"}
 TARGETS = ("base", *OVERLAYS)
 # The oldest Kubernetes the manifests target, and the newest whose schemas the package ships.
 SCHEMA_VERSIONS = ("1.30.0", latest_version())
@@ -54,15 +67,45 @@ def _load_docs(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d is not None]
 
 
+# The lists a strategic merge patch merges item by item, and the key that matches the items
+# (the Kubernetes API's patchMergeKey); any other list in a patch replaces the target's whole.
+MERGE_KEYS = {"containers": "name", "initContainers": "name", "volumes": "name", "env": "name",
+              "volumeMounts": "mountPath", "ports": "containerPort"}
+
+
+def strategic_merge(target, patch, field: str = ""):
+    """`patch` laid over `target` as a strategic merge patch does it, for the subset used here:
+    maps merge key by key (a null value deletes the key), MERGE_KEYS lists item by item, other
+    lists and values replace."""
+    if isinstance(patch, dict) and isinstance(target, dict):
+        assert not any(k.startswith("$") for k in patch), f"{field}: no $patch directives here"
+        merged = {**target, **{k: strategic_merge(target.get(k), v, k)
+                               for k, v in patch.items() if v is not None}}
+        return {k: v for k, v in merged.items() if not (k in patch and patch[k] is None)}
+    if isinstance(patch, list) and isinstance(target, list) and field in MERGE_KEYS:
+        key = MERGE_KEYS[field]
+        merged = list(target)
+        for item in patch:
+            at = [i for i, old in enumerate(merged) if old[key] == item[key]]
+            if at:
+                merged[at[0]] = strategic_merge(merged[at[0]], item, field)
+            else:
+                merged.append(item)
+        return merged
+    return patch
+
+
 def render(directory: Path, kind: str = "Kustomization") -> list[dict]:
     """What `kubectl kustomize DIRECTORY` prints, for kustomizations that use only `resources`
-    (files or directories) and `components`. Anything else fails: teach it here first."""
+    (files or directories), `components` and `patches` given as files of strategic merge
+    patches (applied after both, as kustomize does). Anything else fails: teach it here
+    first."""
     kfile = directory / "kustomization.yaml"
     k = yaml.safe_load(kfile.read_text(encoding="utf-8"))
     assert k.get("kind", "Kustomization") == kind, f"{kfile}: expected a {kind}"
-    unknown = set(k) - {"apiVersion", "kind", "resources", "components"}
-    assert not unknown, f"{kfile}: render() in this test knows resources and components only, " \
-                        f"not {sorted(unknown)}"
+    unknown = set(k) - {"apiVersion", "kind", "resources", "components", "patches"}
+    assert not unknown, f"{kfile}: render() in this test knows resources, components and " \
+                        f"patches only, not {sorted(unknown)}"
     objects: list[dict] = []
     for entry in k.get("resources", []):
         path = (directory / entry).resolve()
@@ -71,6 +114,11 @@ def render(directory: Path, kind: str = "Kustomization") -> list[dict]:
         objects += render((directory / entry).resolve(), kind="Component")
     ids = [(o["kind"], o["metadata"]["name"]) for o in objects]
     assert len(ids) == len(set(ids)), f"{directory}: an object appears twice: {sorted(ids)}"
+    for entry in k.get("patches", []):
+        assert set(entry) == {"path"}, f"{kfile}: render() knows patches given by path only"
+        for patch in _load_docs(directory / entry["path"]):
+            at = ids.index((patch["kind"], patch["metadata"]["name"]))
+            objects[at] = strategic_merge(objects[at], patch)
     return objects
 
 
@@ -207,12 +255,20 @@ def test_overlays_use_the_bundled_redis_and_their_workers():
 @pytest.mark.parametrize("version", SCHEMA_VERSIONS)
 def test_every_object_is_valid_against_the_kubernetes_schema(version):
     """Strict: an unknown or misspelt field fails too. Every YAML document under deploy/k8s (the
-    Secret example included), and every object as each target renders it."""
+    Secret example included; patches, being partial, only as applied), and every object as each
+    target renders it."""
+    patches = {(kfile.parent / entry["path"]).resolve() for kfile in K8S.rglob("kustomization.yaml")
+               for entry in yaml.safe_load(kfile.read_text(encoding="utf-8")).get("patches", [])
+               if "path" in entry}
     documents = [(str(p.relative_to(K8S)), d) for p in sorted(K8S.rglob("*.yaml"))
-                 if p.name != "kustomization.yaml" for d in _load_docs(p)]
+                 if p.name != "kustomization.yaml" and p.resolve() not in patches
+                 for d in _load_docs(p)]
     documents += [(target, o) for target in TARGETS for o in rendered(target)]
     assert len(documents) > 20
     for where, obj in documents:
+        if obj["apiVersion"].startswith("keda.sh/"):  # a custom resource: no schema ships
+            check_scaled_object(obj, where, version)
+            continue
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -488,6 +544,48 @@ def test_gpu_worker_one_gpu_per_pod_with_vllm_from_the_config_map():
                 assert "nvidia.com/gpu" not in str(o["resources"]), other["metadata"]["name"]
 
 
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_every_vllm_worker_gets_the_gpus_its_engine_uses(target):
+    """nvidia.com/gpu is set in the StatefulSet, the parallel sizes in RB_VLLM_ARGS: they must
+    agree (tensor × pipeline × data parallel size), or the worker refuses to start
+    (workers.engine.check_gpu_count) with GPUs reserved and idle."""
+    for w, c in engine_workers(target):
+        _, params = parse_cli(c["args"], container_env(target, w, c))
+        spec = EngineSpec.parse(params["engine"])
+        resources = c["resources"]
+        if spec.kind != "vllm":
+            assert "nvidia.com/gpu" not in str(resources), w["metadata"]["name"]
+            continue
+        gpus = engine_gpus(spec.args)
+        assert resources["limits"]["nvidia.com/gpu"] == gpus, (target, spec.args)
+        assert resources["requests"].get("nvidia.com/gpu", gpus) == gpus, (target, spec.args)
+
+
+def test_a_tensor_parallel_worker_has_the_room_its_ranks_need():
+    """overlays/gpu-tp4: four GPUs for one tensor-parallel engine, memory-backed /dev/shm for
+    NCCL and vLLM's rank-to-rank queue within the memory limit, CPU for four ranks, and a
+    model cache that holds Llama-3.1-70B's 141 GB of BF16 weights."""
+    (w, c), = engine_workers("overlays/gpu-tp4")
+    _, params = parse_cli(c["args"], container_env("overlays/gpu-tp4", w, c))
+    spec = EngineSpec.parse(params["engine"])
+    assert spec.args == ("--tensor-parallel-size", "4") and engine_gpus(spec.args) == 4
+    pod = w["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    [shm] = [v for v in pod["volumes"] if v["name"] == mounts["/dev/shm"]]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    limits, requests = c["resources"]["limits"], c["resources"]["requests"]
+    shm_size = _bytes(shm["emptyDir"]["sizeLimit"])
+    assert _bytes(limits["memory"]) >= _bytes(requests["memory"]) + shm_size
+    assert int(requests["cpu"]) >= 4 * limits["nvidia.com/gpu"]
+    [cache] = w["spec"]["volumeClaimTemplates"]
+    assert mounts["/home/rb/.cache/huggingface"] == cache["metadata"]["name"]
+    assert _bytes(cache["spec"]["resources"]["requests"]["storage"]) > 141e9
+    # Everything else is the one-GPU overlay's worker: the patches touch only these fields.
+    one_gpu = by_id(rendered("overlays/gpu"))[("StatefulSet", "worker-gpu")]
+    assert one_gpu["spec"]["template"]["spec"]["containers"][0]["args"] == c["args"]
+    assert one_gpu["spec"]["template"]["spec"]["containers"][0]["env"] == c["env"]
+
+
 def test_cpu_workers_run_simulated_engines_without_gpus():
     (w, c), = engine_workers("overlays/cpu")
     assert w["metadata"]["name"] == "worker-sim" and w["spec"]["replicas"] >= 2
@@ -531,3 +629,193 @@ def test_redis_is_external_without_the_component():
                     refs = [s["configMapRef"]["name"] for s in c.get("envFrom", [])]
                     assert "rollout-broker" in refs, f"{w['metadata']['name']}/{c['name']}"
                     assert "RB_REDIS_URL" not in {e["name"] for e in c.get("env", [])}
+
+
+# -- autoscaling: KEDA ScaledObjects (a custom resource: checked here, field by field) -----------
+
+# The scalers these manifests may use, with the metadata keys KEDA's documentation marks
+# required for each (keda.sh/docs/2.15/scalers/): a trigger of another type fails until it is
+# added here with its own.
+KEDA_SCALERS = {
+    "prometheus": {"serverAddress", "query", "threshold"},
+    "redis-streams": {"stream"},
+}
+# ScaledObject fields (keda.sh/docs/2.15/reference/scaledobject-spec/), for a strict check.
+SCALED_OBJECT_SPEC = {"scaleTargetRef", "pollingInterval", "cooldownPeriod",
+                      "initialCooldownPeriod", "idleReplicaCount", "minReplicaCount",
+                      "maxReplicaCount", "fallback", "advanced", "triggers"}
+SCALE_TARGET_REF = {"apiVersion", "kind", "name", "envSourceContainerName"}
+ADVANCED = {"restoreToOriginalReplicaCount", "horizontalPodAutoscalerConfig", "scalingModifiers"}
+HPA_CONFIG = {"name", "behavior"}
+TRIGGER = {"type", "name", "metadata", "metricType", "useCachedMetrics", "authenticationRef"}
+# PromQL words that are not metric names (aggregations and functions are followed by "(").
+PROMQL_KEYWORDS = {"and", "or", "unless", "on", "ignoring", "by", "without", "bool", "offset",
+                   "group_left", "group_right"}
+
+
+def _strict(obj: dict, allowed: set[str], where: str) -> None:
+    assert isinstance(obj, dict), f"{where}: not a mapping"
+    unknown = set(obj) - allowed
+    assert not unknown, f"{where}: unknown fields {sorted(unknown)}"
+
+
+def check_scaled_object(obj: dict, where: str, version: str) -> None:
+    """A KEDA ScaledObject as the CRD takes it: known fields only, the types it declares
+    (trigger metadata is string to string), and its HPA behavior valid as the
+    HorizontalPodAutoscaler KEDA builds from it (autoscaling/v2)."""
+    name = f"{where}: ScaledObject {obj.get('metadata', {}).get('name')}"
+    assert obj["apiVersion"] == "keda.sh/v1alpha1" and obj["kind"] == "ScaledObject", name
+    _strict(obj, {"apiVersion", "kind", "metadata", "spec"}, name)
+    spec = obj["spec"]
+    _strict(spec, SCALED_OBJECT_SPEC, f"{name}: spec")
+    _strict(spec["scaleTargetRef"], SCALE_TARGET_REF, f"{name}: scaleTargetRef")
+    assert isinstance(spec["scaleTargetRef"]["name"], str), name
+    for field in ("pollingInterval", "cooldownPeriod", "minReplicaCount", "maxReplicaCount"):
+        assert isinstance(spec.get(field, 0), int) and spec.get(field, 0) >= 0, f"{name}: {field}"
+    advanced = spec.get("advanced", {})
+    _strict(advanced, ADVANCED, f"{name}: advanced")
+    hpa = advanced.get("horizontalPodAutoscalerConfig", {})
+    _strict(hpa, HPA_CONFIG, f"{name}: horizontalPodAutoscalerConfig")
+    as_hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+              "metadata": {"name": hpa.get("name", f"keda-hpa-{obj['metadata']['name']}")},
+              "spec": {"scaleTargetRef": {k: v for k, v in spec["scaleTargetRef"].items()
+                                          if k != "envSourceContainerName"},
+                       "minReplicas": max(1, spec.get("minReplicaCount", 0)),
+                       "maxReplicas": spec.get("maxReplicaCount", 100),
+                       "behavior": hpa.get("behavior", {})}}
+    try:
+        kubernetes_validate.validate(as_hpa, version, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        raise AssertionError(f"{name}: its HPA behavior: {exc.message}") from None
+    triggers = spec["triggers"]
+    assert isinstance(triggers, list) and triggers, f"{name}: no trigger"
+    names = [t.get("name", t.get("type")) for t in triggers]
+    assert len(names) == len(set(names)), f"{name}: two triggers named alike: {names}"
+    for t in triggers:
+        _strict(t, TRIGGER, f"{name}: trigger {t.get('name')}")
+        assert t.get("metricType", "AverageValue") in ("AverageValue", "Value"), t
+        meta = t["metadata"]
+        assert all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()), \
+            f"{name}: trigger {t.get('name')}: metadata values must be strings: {meta}"
+
+
+def scaled_objects(target: str) -> list[dict]:
+    return [o for o in rendered(target) if o["kind"] == "ScaledObject"]
+
+
+@cache
+def api_sample_names() -> frozenset[str]:
+    """Every sample name GET /metrics serves: the API's route itself, run on a status with a
+    workload that has sessions waiting and a backend (its Redis reader stood in for)."""
+    status = StatusPublic(
+        at=0.0, namespace="ns", broker=BrokerStatus(lease_held=True),
+        workloads=[WorkloadStatus(workload="rlvr", depth=3, requeued=1, oldest_pending_age_s=9.0,
+                                  finished_total=1, failed_total=0, consumed_total=1)],
+        backends=[BackendStatus(
+            backend_id="b0", healthy=True, capacity_tokens=10, max_model_len=10, alpha=1.0,
+            limit_tokens=10, reserved_tokens=1, reserved_by_workload={"rlvr": 1}, sessions=1,
+            admitted_total=1, kv_usage=0.1, running=1, waiting=0, preemptions_total=0,
+            prefix_hit_rate=0.5, prefix_cache_queries_total=2, prefix_cache_hits_total=1,
+            heartbeat_age_s=0.1)],
+        mixture=MixtureStatus(target={"rlvr": 1.0}, consumed_total={"rlvr": 1},
+                              consumed_window={"rlvr": 1}, window_s=60.0, drift_total=0.0,
+                              drift_window=0.0),
+        throughput=[], results_unacknowledged=1, dead_letter=0)
+
+    class Reader:
+        async def read(self) -> StatusPublic:
+            return status
+
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(last_status=None)))
+    response = asyncio.run(metrics_route(request, Reader()))
+    families = text_string_to_metric_families(response.body.decode())
+    return frozenset(s.name for f in families for s in f.samples)
+
+
+def promql_metrics(query: str) -> set[str]:
+    """The metric names a PromQL expression selects: its identifiers less label matchers,
+    range selectors, functions and aggregations (followed by "(") and keywords."""
+    bare = re.sub(r'\{[^}]*\}|\[[^\]]*\]|"[^"]*"', " ", query)
+    assert bare.count("(") == bare.count(")"), f"unbalanced parentheses: {query}"
+    words = re.findall(r"([A-Za-z_:][A-Za-z0-9_:]*)(\s*\()?", bare)
+    return {w for w, call in words if not call and w not in PROMQL_KEYWORDS}
+
+
+def test_only_the_autoscale_overlays_have_scaled_objects():
+    """KEDA's CRD must be in the cluster for a ScaledObject to apply: the plain overlays have
+    none, each autoscale overlay one, for its engine workers."""
+    for target in TARGETS:
+        objects = scaled_objects(target)
+        if target not in AUTOSCALED:
+            assert not objects, target
+            continue
+        (so,) = objects
+        assert so["metadata"]["name"] == AUTOSCALED[target]
+
+
+@pytest.mark.parametrize("target", AUTOSCALED)
+def test_the_scaled_object_targets_a_worker_statefulset_of_the_same_render(target):
+    """It names a StatefulSet of the render it is in, one that runs engine workers, and that
+    StatefulSet leaves its replica count to the HPA (a count in it would be set again by
+    every `kubectl apply -k`, fighting the autoscaler)."""
+    (so,) = scaled_objects(target)
+    ref = so["spec"]["scaleTargetRef"]
+    assert (ref.get("apiVersion"), ref.get("kind")) == ("apps/v1", "StatefulSet"), ref
+    sts = by_id(rendered(target)).get(("StatefulSet", ref["name"]))
+    assert sts is not None, f"{target}: no StatefulSet {ref['name']} to scale"
+    assert [w for w, _ in engine_workers(target)] == [sts], f"{target}: not the engine workers"
+    assert "replicas" not in sts["spec"], f"{target}: {ref['name']} still sets its replicas"
+
+
+@pytest.mark.parametrize("target", AUTOSCALED)
+def test_scaled_object_triggers_are_keda_scalers_with_their_metadata(target):
+    (so,) = scaled_objects(target)
+    for t in so["spec"]["triggers"]:
+        assert t["type"] in KEDA_SCALERS, f"{t['type']}: not a scaler this test knows"
+        missing = KEDA_SCALERS[t["type"]] - set(t["metadata"])
+        assert not missing, f"trigger {t.get('name')}: {t['type']} requires {sorted(missing)}"
+        if t["type"] == "prometheus":
+            assert urlparse(t["metadata"]["serverAddress"]).scheme in ("http", "https"), t
+            assert float(t["metadata"]["threshold"]) > 0, t
+            # A lost scrape is an error (the HPA holds the replicas), not a 0 that scales in.
+            assert t["metadata"].get("ignoreNullValues") == "false", t
+
+
+@pytest.mark.parametrize("target", AUTOSCALED)
+def test_scaled_object_queries_name_metrics_the_api_exports(target):
+    """Every metric a Prometheus trigger queries is one GET /metrics serves, and the triggers
+    follow the queue's depth and its oldest pending age."""
+    exported = api_sample_names()
+    used: set[str] = set()
+    (so,) = scaled_objects(target)
+    for t in so["spec"]["triggers"]:
+        if t["type"] != "prometheus":
+            continue
+        names = promql_metrics(t["metadata"]["query"])
+        assert names, t["metadata"]["query"]
+        assert names <= exported, f"trigger {t['name']}: not exported: {sorted(names - exported)}"
+        used |= names
+    assert {"rb_queue_depth", "rb_oldest_pending_age_seconds"} <= used, used
+
+
+@pytest.mark.parametrize("target", AUTOSCALED)
+def test_scale_in_goes_one_drain_at_a_time_within_the_pods_grace(target):
+    """Replica bounds are sane and never reach 0 (the API is ready only while a worker beats);
+    scale-in removes one pod at a time, no sooner than the previous pod's drain may last (its
+    termination grace), and the grace covers the worker's whole drain."""
+    (so,) = scaled_objects(target)
+    spec = so["spec"]
+    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"], spec
+    assert "idleReplicaCount" not in spec
+    assert spec.get("cooldownPeriod", 300) >= spec.get("pollingInterval", 30)
+    sts = by_id(rendered(target))[("StatefulSet", spec["scaleTargetRef"]["name"])]
+    grace = sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    ((_, c),) = engine_workers(target)
+    _, params = parse_cli(c["args"], container_env(target, sts, c))
+    assert grace > params["drain_grace"] and grace > _shutdown_budget_s(params), grace
+    down = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+    assert down.get("selectPolicy", "Max") != "Disabled"
+    one_pod = [p for p in down["policies"] if p["type"] == "Pods" and p["value"] == 1]
+    if down.get("selectPolicy", "Max") == "Max":
+        assert one_pod == down["policies"], f"a policy removes more than one pod: {down}"
+    assert one_pod and all(p["periodSeconds"] >= grace for p in one_pod), (down, grace)
