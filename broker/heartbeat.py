@@ -47,6 +47,13 @@ class HeartbeatRecord(BaseModel):
     sessions: list[SessionProgress] = Field(default_factory=list)  # every session running there
     sent_at: float | None = None  # unix seconds when the worker sent this beat
     adapters: list[str] = Field(default_factory=list)  # LoRA adapters its engine has loaded
+    # The worker drains (SIGTERM: a scale-in, a rollout): it still beats while its sessions
+    # finish, but takes no new one; the broker places nothing there.
+    draining: bool = False
+
+    @property
+    def admits(self) -> bool:
+        return not self.draining
 
     def telemetry(self) -> Telemetry:
         m = self.metrics

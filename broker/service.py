@@ -37,7 +37,7 @@ from itertools import chain, islice
 from broker.completions import RECALL_COMPLETIONS, completion_from_entry
 from broker.decision import LedgerEntry, apply_decision, touched_backends
 from broker.episodes import due_releases
-from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
+from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S, HeartbeatRecord
 from broker.keys import BROKER_GROUP, Keys
 from broker import metrics
 from broker.lease import Lease
@@ -643,7 +643,8 @@ class BrokerService:
             touched.update(b for b, led in fleet.ledgers.items()
                            if any(sid in led.sessions for sid in unknown))
         ledgers = {b: LedgerEntry(capacity_tokens=led.capacity_tokens, alpha=led.alpha,
-                                  sessions=dict(led.sessions), healthy=fleet.heartbeats.get(b) is not None,
+                                  sessions=dict(led.sessions),
+                                  healthy=_admits(fleet.heartbeats.get(b)),
                                   reserved_tokens=led.reserved_tokens)
                    for b, led in fleet.ledgers.items() if b in touched}
         for adm in decision.admissions:
@@ -698,3 +699,8 @@ class BrokerService:
             # 'no_capacity' / 'unhealthy' / 'no_backend': the session stays pending.
         self.admitted_total += admitted
         return admitted
+
+
+def _admits(hb: HeartbeatRecord | None) -> bool:
+    """A backend takes admissions while it beats, unless its worker drains."""
+    return hb is not None and hb.admits

@@ -308,7 +308,8 @@ def backend_view(ledger: LedgerState, hb: HeartbeatRecord | None,
         resident = memo.view.sessions
     view = BackendView(
         backend_id=ledger.backend_id, capacity_tokens=ledger.capacity_tokens,
-        max_model_len=ledger.max_model_len, healthy=hb is not None, alpha=ledger.alpha,
+        max_model_len=ledger.max_model_len, healthy=hb is not None and hb.admits,
+        alpha=ledger.alpha,
         telemetry=telemetry, sessions=resident, model=ledger.model,
         max_loras=ledger.max_loras, adapters=frozenset(hb.adapters) if hb is not None else frozenset(),
     )

@@ -87,14 +87,16 @@ class WorkerLink:
         self._cursor.reset()
 
     def heartbeat(self, metrics: EngineMetrics, progress: Sequence[SessionProgress] = (),
-                  at: float | None = None, adapters: Sequence[str] = ()) -> None:
+                  at: float | None = None, adapters: Sequence[str] = (),
+                  draining: bool = False) -> None:
         """Refresh this backend's liveness (the key's TTL) and carry `metrics` as taken at unix
         time `at` (default now): an engine whose /metrics answers slowly sends older numbers,
-        with their age, but the beat itself is on time."""
+        with their age, but the beat itself is on time. `draining`: the worker is stopping;
+        the broker admits nothing more here."""
         now = time.time()
         record = HeartbeatRecord(backend_id=self.backend_id, at=now if at is None else at,
                                  metrics=metrics, sessions=list(progress), sent_at=now,
-                                 adapters=sorted(adapters))
+                                 adapters=sorted(adapters), draining=draining)
         k = self.keys
         reply = as_text(self._scripts.heartbeat(
             keys=[k.heartbeat(self.backend_id), k.ledger(self.backend_id), k.events],

@@ -29,7 +29,9 @@ Blocking Redis calls run on a small thread pool of their own, so a blocked read 
 heartbeat. A Redis outage is ridden out: every loop waits with backoff and carries on by itself
 once Redis answers (`broker.redis_conn.Outage`, logged once per outage).
 
-Drain (SIGTERM): stop pulling, let running sessions finish for `drain_grace_s`, then cut the
+Drain (SIGTERM): stop pulling, say so in the heartbeat (`draining`: the broker admits nothing
+more here, so a scale-in sends no new session to a worker on its way out), let running sessions
+finish for `drain_grace_s`, then cut the
 rest short with the engine's `pause(mode=abort)`: each goes back to the queue with the output it
 had generated (`Session.resume_from`), to go on elsewhere; then `withdraw`: the broker requeues
 every session still admitted here (run or not) at once.
@@ -147,6 +149,7 @@ class Worker:
         # The engine's --max-loras (0: LoRA off); read from its /metrics at start if None.
         self.max_loras: int | None = max_loras
         self.adapters: AdapterLoader | None = None  # the adapters loaded there (LoRA on)
+        self.draining = False  # stopping: its beats say so, and the broker admits nothing more
         self._outage = Outage(f"worker {settings.backend_id}", log)
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="redis")
         self._running: dict[str, tuple[asyncio.Task, Progress]] = {}
@@ -252,6 +255,8 @@ class Worker:
             finisher = asyncio.create_task(self._finish_loop(), name="finish")
             try:
                 await self._pull_loop(runner, stop)
+                self.draining = True  # from the next beat (sent now) the broker admits no more
+                await self._redis(self._beat_once)
                 await self._drain(http)
             finally:
                 beats_done.set()
@@ -588,7 +593,8 @@ class Worker:
         progress = [p.snapshot() for _, p in list(self._running.values())]
         try:
             self.link.heartbeat(self._scrape.metrics, progress, at=self._scraped_at,
-                                adapters=self.adapters.names if self.adapters else ())
+                                adapters=self.adapters.names if self.adapters else (),
+                                draining=self.draining)
         except Exception as exc:
             if is_outage(exc):
                 self._outage.failed(exc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -10,9 +11,17 @@ import pytest
 from broker.client import RolloutClient
 from broker.keys import Keys
 from broker.policies import make_policy
+from broker.policies.least_loaded import LeastLoaded
 from broker.session import Session, SessionState
 from tests.broker.helpers import BrokerThread, published, wait_until
-from tests.workers.helpers import kill_process_groups, prompt, start_worker, terminate_workers
+from sim.server.testing import running_engine
+from tests.workers.helpers import (
+    WorkerThread,
+    kill_process_groups,
+    prompt,
+    start_worker,
+    terminate_workers,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,3 +69,56 @@ def test_sigterm_finishes_what_it_can_and_hands_back_the_rest(redis_url, namespa
     assert all(r.status == SessionState.done for r in got)
     assert {r.backend_id for r in got if r.session_id.startswith("long")} == {"w1"}
     assert published(redis_client, k) == 16
+
+
+
+def test_a_draining_worker_is_sent_no_new_session(redis_url, namespace, redis_client):
+    """While a worker drains (a session still running within its grace), its heartbeats say
+    so and the broker places every new session elsewhere."""
+    k = Keys(namespace)
+    # Held by a tool that sleeps 1,000 simulated seconds (20 s here at ×50): inside the grace.
+    held = Session(session_id="held", workload="agentic", prompt_token_ids=prompt(7, 64),
+                   max_tokens=8, max_turns=2,
+                   metadata={"tool": "sim", "sim_turns": 2, "sim_tool_latency_s": "1000",
+                             "sim_observation_tokens": "8"})
+    fresh = [Session(session_id=f"new-{i}", workload="rlhf", prompt_token_ids=prompt(i, 64),
+                     max_tokens=8) for i in range(12)]
+    with running_engine(time_scale=50.0) as e0, running_engine(time_scale=50.0) as e1:
+        w0 = WorkerThread(redis_url, namespace, "w0", e0.url, time_scale=50.0,
+                          drain_grace_s=2.0, handoff_s=1.0).start()
+        placed: list[tuple[str, str]] = []  # every (session, backend) the policy chose
+
+        class Recording(LeastLoaded):
+            def decide(self, snapshot):
+                decision = super().decide(snapshot)
+                placed.extend((a.session_id, a.backend_id) for a in decision.admissions)
+                return decision
+
+        broker = BrokerThread(redis_url, namespace, Recording()).start()
+        client = RolloutClient(redis_url, namespace)
+        w1 = None
+        try:
+            assert wait_until(lambda: client.status()["backends"].get("w0", {}).get("healthy"),
+                              timeout=30)
+            client.enqueue([held])
+            assert wait_until(lambda: redis_client.hlen(k.ledger_sessions("w0")) == 1)
+            w1 = WorkerThread(redis_url, namespace, "w1", e1.url, time_scale=50.0).start()
+            assert wait_until(lambda: client.status()["backends"].get("w1", {}).get("healthy"),
+                              timeout=30)
+            w0._loop.call_soon_threadsafe(w0._stop.set)  # SIGTERM: w0 drains for 2 s
+            time.sleep(1.0)  # it stops pulling within a read (0.25 s) and beats at once
+            assert json.loads(redis_client.get(k.heartbeat("w0")))["draining"] is True
+            client.enqueue(fresh)
+            got: list = []
+            assert wait_until(lambda: got.extend(client.results(12, timeout=0.2))
+                              or len(got) >= 12, timeout=30, every=0)
+            client.ack()
+            assert {r.backend_id for r in got} == {"w1"}
+            assert {b for sid, b in placed if sid.startswith("new-")} == {"w1"}
+            assert all(r.status == SessionState.done for r in got)
+        finally:
+            broker.stop()
+            w0.stop()
+            if w1 is not None:
+                w1.stop()
+            client.close()
