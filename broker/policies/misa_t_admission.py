@@ -10,8 +10,9 @@ backend closest to fitting its oldest for itself within the call.
 A session that names a model or a LoRA adapter places only where the engine serves it
 (`base.serves`), and with an adapter only where one of the engine's `max_loras` slots is free
 or already holds it; among those, engines that already hold or have loaded the adapter come
-first (no load, no slot taken). A session no live backend can serve at all waits without
-holding back the sessions behind it.
+first (no load, no slot taken). A session that no live backend can serve, or whose adapter has
+no slot anywhere now, waits without holding back the sessions behind it (vLLM's scheduler
+lets requests whose adapters fit go ahead of one whose adapter does not).
 """
 
 from __future__ import annotations
@@ -155,8 +156,8 @@ class AdmissionRound:
             if pool is None:
                 pool = pools[w] = placement.pool([b for v, b in held.items() if v != w])
             items = fresh[w]
-            while cursor[w] < len(items) and not self._servable(items[cursor[w]]):
-                cursor[w] += 1  # served by no live backend: it waits, the rest go on
+            while cursor[w] < len(items) and not self._servable(items[cursor[w]], pool):
+                cursor[w] += 1  # no backend serves it or has an adapter slot: the rest go on
             if cursor[w] >= len(items):
                 live.discard(w)
                 continue
@@ -284,11 +285,14 @@ class AdmissionRound:
         self.residency.admitted(item, charge, self.call.now)
 
     # -- models and LoRA adapters ------------------------------------------------------------
-    def _servable(self, item: PendingItem) -> bool:
-        """Whether some live backend serves `item`'s model (and LoRA, for an adapter)."""
+    def _servable(self, item: PendingItem, pool: Pool) -> bool:
+        """Whether some backend of `pool` serves `item`'s model (and LoRA, for an adapter)
+        and, for an adapter, has a slot for it now. A session that fails this waits without
+        holding back the sessions behind it, as vLLM's scheduler lets the requests behind one
+        whose adapter has no slot go ahead; one that fits nowhere for its KV still does."""
         if not _needs(item):
             return True
-        return any(serves(b.view, item) for b in self.accounted.placement.backends)
+        return bool(self._eligible(item, pool).members)
 
     def _in_use(self, b: BackendState) -> set[str]:
         if self.adapters is None:

@@ -141,3 +141,12 @@ def test_a_backend_that_reports_no_model_serves_any():
     assert serves(view("b0", "m", 1), item)
     assert not serves(view("b0", "other", 1), item)
     assert serves(view("b0", "other", 1), replace(item, model=None))
+
+
+def test_a_session_whose_adapter_has_no_slot_lets_the_others_go_ahead():
+    """Both one-slot engines hold other adapters: z waits, and the x and y sessions behind it
+    are placed (as vLLM's scheduler runs the requests behind one whose adapter has no slot)."""
+    backends = [view("b0", "m", 1, resident("r0", "x")), view("b1", "m", 1, resident("r1", "y"))]
+    items = [pending("z0", model="m", adapter="z", at=0), pending("x1", model="m", adapter="x", at=1),
+             pending("y2", model="m", adapter="y", at=2)]
+    assert placed("misa_t", snap(backends, items)) == {"x1": "b0", "y2": "b1"}
