@@ -156,6 +156,7 @@ def print_table(console: Console, scenario: str, results: dict[str, FleetResult]
                   "quickest baseline (above 1: sooner; docs/measurement.md)")
     print_weight_updates(console, results)
     print_scale_changes(console, results)
+    print_lora(console, results)
     any_result = next(iter(results.values()), None)
     if bound is not None:
         barrier = (f", the sync steps' slowest sessions {100 * bound.barrier_share:.0f}% of "
@@ -220,6 +221,20 @@ def print_scale_changes(console: Console, results: dict[str, FleetResult]) -> No
                   f"{len(ids) - len(set(ids)):,}", f"{sc.sessions_handed_back:,}",
                   f"{sc.tokens_handed_back:,}", f"{sc.tokens_lost_to_scale_in:,}",
                   f"{sc.reprefill_tokens:,}")
+    console.print(t)
+
+
+def print_lora(console: Console, results: dict[str, FleetResult]) -> None:
+    """What LoRA adapters cost each policy (nothing when the engines run without LoRA)."""
+    rows = {n: r for n, r in results.items() if r.metrics.lora is not None}
+    if not rows:
+        return
+    t = Table(title="LoRA adapters (loads on the engines; turns that waited for a slot)")
+    for col in ("policy", "adapter loads", "slot waits", "slot wait s (summed)"):
+        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "policy")
+    for name, r in rows.items():
+        lo = r.metrics.lora
+        t.add_row(name, f"{lo.loads:,}", f"{lo.slot_waits:,}", f"{lo.slot_wait_s:,.0f}")
     console.print(t)
 
 

@@ -51,7 +51,7 @@ import copy
 import heapq
 import itertools
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -75,6 +75,7 @@ from sim.metrics import (
     EngineCounters,
     IterationRecord,
     KvSample,
+    LoraStats,
     RunMetrics,
     ScaleStats,
     SessionRecord,
@@ -82,6 +83,7 @@ from sim.metrics import (
     WeightUpdateStats,
     summarize,
 )
+from sim.engine.adapter_slots import AdapterSlots
 from sim.membership import Membership
 from sim.scenario import Scenario
 from sim.workloads.source import SessionSource
@@ -91,6 +93,7 @@ from sim.workloads.truth import SimSession
 _RESULT, _TOOL_RETURN, _HEARTBEAT, _TELEMETRY, _ARRIVAL, _TRAINED, _RESUME = 0, 1, 2, 3, 4, 5, 6
 _PARK = 7  # an agent-driven episode's idle timeout
 _FLEET, _CUT = 8, 9  # a scheduled fleet change (fleet.changes); a leaving engine's grace ends
+_LORA = 10  # a LoRA adapter has loaded on an engine: the turn waiting for it starts
 
 
 class SimulationError(RuntimeError):
@@ -136,6 +139,11 @@ class _Live:
     engine_tokens: int = 0
     thrown_away: int = 0
     handed_back: int = 0  # times a leaving engine handed it back to the queue
+    # LoRA: its turn waits for an adapter slot on its engine, or for the adapter to load
+    # (while either, it has no request on the engine but holds its place there).
+    slot_wait: bool = False
+    loading: bool = False
+    slot_held: bool = False  # its turn holds one of the engine's adapter slots
 
 
 @dataclass(slots=True)
@@ -247,10 +255,19 @@ class FleetSim:
         self._next_at: dict[str, float | None] = {}
         self._engine_heap: list[tuple[float, str]] = []
         self._unfinished: set[str] = set()  # engines with unfinished requests (has_unfinished)
+        # LoRA (fleet.max_loras > 0): per engine, its adapter slots (the rule the simulated
+        # engine's server applies, sim/engine/adapter_slots.py) and the adapters it has loaded,
+        # least recently used first, as many as its slots (the worker's default --lora-cache).
+        self._slots: dict[str, AdapterSlots[_Live]] = {}
+        self._loaded: dict[str, OrderedDict[str, None]] = {}
+        self._lora_totals = {"loads": 0, "slot_waits": 0, "slot_wait_s": 0.0}
+        self._loading: dict[str, list[_Live]] = {}  # "engine|adapter" -> turns waiting for it
+        self._slot_wait_since: dict[str, float] = {}
         for b, engine in self.engines.items():
             self._next_at[b] = None
             engine.on_change = self._engine_notifier(b)
             self._engine_changed(b)
+            self._add_adapter_slots(b)
         # The backend views of the last snapshot (the visible engines, in engine order), and
         # the backends whose view must be built again: their resident sessions, telemetry or α
         # changed (marks of engines not in the snapshot are skipped).
@@ -332,6 +349,8 @@ class FleetSim:
                     self._on_fleet_change(int(sid))
                 elif kind == _CUT:
                     self._cut_engine(sid)
+                elif kind == _LORA:
+                    self._on_adapter_loaded(sid)
                 else:
                     self._on_result(self.live.pop(sid))
             if self._pause is not None and self._pause.paused_at is None:
@@ -409,7 +428,7 @@ class FleetSim:
             max_tokens=s.max_tokens - len(live.partial),
             max_turns=max(1, s.max_turns - live.turn) if requeue else s.max_turns, turn=turn,
             home_backend=live.backend if turn else None,
-            enqueued_at=live.enqueued_at if requeue else self.now,
+            enqueued_at=live.enqueued_at if requeue else self.now, adapter=s.adapter,
         )
         if requeue:
             self.pending[s.workload].appendleft(item)
@@ -460,6 +479,8 @@ class FleetSim:
             backend_id=b, capacity_tokens=engine.num_gpu_blocks * engine.block_size,
             max_model_len=engine.max_model_len, healthy=True, alpha=self.ledger[b].alpha,
             telemetry=self.telemetry.get(b), sessions=tuple(self.resident[b].values()),
+            max_loras=self.scenario.fleet.max_loras,
+            adapters=frozenset(self._loaded[b]) if self._slots else frozenset(),
         )
 
     def _apply(self, decision: Decision) -> None:
@@ -535,6 +556,32 @@ class FleetSim:
             self._held.append(live)  # the engine is paused: the request starts on resume
             self._update_resident(live)
             return
+        adapter = sim.session.adapter
+        if adapter is not None and self._slots and not live.slot_held:
+            if not self._slots[live.backend].submit(adapter, live):
+                live.slot_wait = True  # every slot is another adapter's: it waits
+                self._lora_totals["slot_waits"] += 1
+                self._slot_wait_since[sim.session_id] = self.now
+                self._update_resident(live)
+                return
+            live.slot_held = True
+        self._start_turn(live)
+
+    def _start_turn(self, live: _Live) -> None:
+        """The turn's request goes to the engine, once its adapter (if any) has loaded there
+        (a turn whose slot or load came during a weight update's pause waits for the resume)."""
+        if self._pause is not None:
+            if live.slot_held:
+                self._release_adapter_slot(live)
+            self._held.append(live)
+            self._update_resident(live)
+            return
+        adapter = live.sim.session.adapter
+        if adapter is not None and self._slots and not self._adapter_ready(live):
+            self._update_resident(live)
+            return
+        sim = live.sim
+        prompt = live.history
         kept = len(live.partial)  # a stopped turn resumes: prompt + its output so far
         live.resuming = kept > 0
         req = EngineRequest(
@@ -553,6 +600,8 @@ class FleetSim:
     def _on_turn_finished(self, req: EngineRequest) -> None:
         live = self.by_request.pop(req.request_id)
         live.request = None
+        if live.slot_held:
+            self._release_adapter_slot(live)
         live.engine_tokens += req.num_output_tokens
         if live.resuming and req.num_cached_tokens >= 0:
             recomputed = req.num_prompt_tokens - req.num_cached_tokens
@@ -636,6 +685,80 @@ class FleetSim:
             self._count_hand_back(live)
         self._make_pending(live, requeue=scale_in)
 
+    # -- LoRA adapters (fleet.max_loras) ---------------------------------------------------
+    def _add_adapter_slots(self, b: str) -> None:
+        if self.scenario.fleet.max_loras:
+            self._slots[b] = AdapterSlots(self.scenario.fleet.max_loras)
+            self._loaded[b] = OrderedDict()
+
+    def _adapter_ready(self, live: _Live) -> bool:
+        """Whether the turn's adapter is loaded on its engine (now the most recently used);
+        else its load starts (or is under way) and the turn starts when it ends."""
+        b, adapter = live.backend, live.sim.session.adapter
+        loaded = self._loaded[b]
+        if adapter in loaded:
+            loaded.move_to_end(adapter)
+            return True
+        key = f"{b}|{adapter}"
+        waiting = self._loading.setdefault(key, [])
+        if not waiting:
+            self._schedule(self.now + self.scenario.fleet.lora_load_s, _LORA, key)
+        waiting.append(live)
+        live.loading = True
+        return False
+
+    def _on_adapter_loaded(self, key: str) -> None:
+        """An adapter has loaded on an engine: it joins the engine's loaded adapters (the least
+        recently used one no request holds goes, past `max_loras` of them) and the turns that
+        waited for it start."""
+        b, adapter = key.split("|", 1)
+        waiting = self._loading.pop(key, [])
+        if b not in self._loaded or b in self.members.cut:
+            return  # the engine left (its turns were handed back)
+        loaded = self._loaded[b]
+        loaded[adapter] = None
+        running = self._slots[b].running
+        for old in list(loaded):
+            if len(loaded) <= self.scenario.fleet.max_loras:
+                break
+            if old != adapter and old not in running:
+                del loaded[old]
+        self._lora_totals["loads"] += 1
+        self._stale_views.add(b)
+        for live in waiting:
+            if live.loading and live.backend == b:
+                live.loading = False
+                self._start_turn(live)
+
+    def _release_adapter_slot(self, live: _Live) -> None:
+        """The turn's request left the engine: its adapter slot goes back, and turns that waited
+        for one start (on an engine the grace has ended for, its cut hands them back)."""
+        b = live.backend
+        live.slot_held = False
+        for other in self._slots[b].release(live.sim.session.adapter):
+            other.slot_wait = False
+            other.slot_held = True
+            since = self._slot_wait_since.pop(other.sim.session_id, self.now)
+            self._lora_totals["slot_wait_s"] += self.now - since
+            if b not in self.members.cut:
+                self._start_turn(other)
+
+    def _drop_adapter_wait(self, live: _Live) -> None:
+        """A turn that had not started leaves its engine (handed back): out of the slot queue and
+        the load it waited for, its slot (if it held one) given back."""
+        b = live.backend
+        if live.slot_wait:
+            slots = self._slots[b]
+            slots.waiting = deque(w for w in slots.waiting if w[1] is not live)
+            live.slot_wait = False
+            self._slot_wait_since.pop(live.sim.session_id, None)
+        if live.loading:
+            key = f"{b}|{live.sim.session.adapter}"
+            self._loading[key] = [w for w in self._loading.get(key, []) if w is not live]
+            live.loading = False
+        if live.slot_held:
+            self._release_adapter_slot(live)
+
     # -- engines joining and leaving (fleet.changes) ----------------------------------------
     def _on_fleet_change(self, index: int) -> None:
         change = self.scenario.fleet.changes[index]
@@ -661,6 +784,7 @@ class FleetSim:
         self._next_at[b] = None
         engine.on_change = self._engine_notifier(b)
         self._engine_changed(b)
+        self._add_adapter_slots(b)
         self.members.join(b, self.now)
         self._scale_totals["engines_joined"] += 1
 
@@ -726,8 +850,9 @@ class FleetSim:
                 continue  # its abort ends the step in flight (`_on_turn_finished` then)
             if live.waiting_on_tool:
                 self._hand_back_between_turns(live)
-            else:  # held: submitted during a pause, to start on the resume
+            else:  # held by a pause, or waiting for an adapter slot or load: not started
                 self._held = [h for h in self._held if h is not live]
+                self._drop_adapter_wait(live)
                 live.reserved = 0
                 self._release(live)
                 self._count_hand_back(live)
@@ -893,7 +1018,7 @@ class FleetSim:
                 session_id=s.session_id, workload=s.workload, group_id=s.group_id,
                 reserved_tokens=live.reserved, prompt_tokens=n, context_tokens=n,
                 generated_tokens=0, turn=0, max_tokens=s.max_tokens, max_turns=live.placed_turns,
-                waiting_on_tool=False, admitted_at=live.placed_at,
+                waiting_on_tool=False, admitted_at=live.placed_at, adapter=s.adapter,
             )
         else:
             out_now = req.num_output_tokens if req is not None else 0
@@ -905,6 +1030,7 @@ class FleetSim:
                 turn=live.turn + (1 if req is not None else 0), max_tokens=s.max_tokens,
                 max_turns=s.max_turns, waiting_on_tool=live.waiting_on_tool,
                 admitted_at=live.admitted_at if live.admitted_at is not None else self.now,
+                adapter=s.adapter,
             )
         seen = self.resident[live.backend]
         if self.lag_s == 0 or s.session_id not in seen:
@@ -1003,6 +1129,8 @@ class FleetSim:
             metrics = replace(metrics, weight_updates=WeightUpdateStats(**self._update_totals))
         if changes:
             metrics = replace(metrics, scale=ScaleStats(**self._scale_totals))
+        if self._slots:
+            metrics = replace(metrics, lora=LoraStats(**self._lora_totals))
         return FleetResult(
             policy=self.policy.name, metrics=metrics, iterations=list(iterations),
             sessions=list(self.records), kv_samples=self.kv_samples, engines=engines,

@@ -157,6 +157,17 @@ class ScaleStats:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraStats:
+    """What LoRA adapters cost the run (`fleet.max_loras`, `workloads.*.adapters`): adapter
+    loads on the engines, turns that waited for an adapter slot (every one of an engine's
+    `max_loras` slots held by other adapters), and the seconds they waited, summed."""
+
+    loads: int
+    slot_waits: int
+    slot_wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class RunMetrics:
     span_s: float
     tokens_per_s: float
@@ -176,6 +187,7 @@ class RunMetrics:
     warnings: tuple[str, ...] = ()
     weight_updates: WeightUpdateStats | None = None  # None: the scenario updates no weights
     scale: ScaleStats | None = None  # None: the scenario's fleet does not change
+    lora: LoraStats | None = None  # None: LoRA is off on the scenario's engines
     # When each iteration completed, seconds after the trainer's start: the trainer's progress
     # (what `start_up_speed` compares between policies).
     iteration_done_s: tuple[float, ...] = ()

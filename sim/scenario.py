@@ -78,6 +78,9 @@ class _WorkloadBase(BaseModel):
     temperature: Annotated[float, Field(ge=0.0, le=10.0)] = 1.0
     # Reward / verifier time after the last turn, seconds; None = instantaneous.
     final_latency: LogNormal | None = None
+    # LoRA: the workload's sessions use this many adapters (`<workload>-a<k>`), one per GRPO
+    # group drawn uniformly (jobs or policies sharing the fleet); 0: the base model.
+    adapters: Annotated[int, Field(ge=0, le=10_000)] = 0
 
     @model_validator(mode="before")
     @classmethod
@@ -221,6 +224,10 @@ class FleetSpec(BaseModel):
     # deployment that passes --max-num-seqs / --max-num-batched-tokens does.
     max_num_seqs: PosInt | None = None
     max_num_batched_tokens: PosInt | None = None
+    # LoRA (sim/engine/adapter_slots.py): adapters one engine step may mix (vLLM's
+    # --max-loras; 0: LoRA off), and the seconds one adapter takes to load.
+    max_loras: Annotated[int, Field(ge=0)] = 0
+    lora_load_s: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.02
     # Scale-out and scale-in during the run, in time order (see FleetChange); none: a fixed fleet.
     changes: list[FleetChange] = Field(default_factory=list)
 
@@ -374,6 +381,10 @@ class Scenario(BaseModel):
                     f"mixture: keys {sorted(self.mixture)} must equal workloads"
                     f" {sorted(self.workloads)}"
                 )
+            for name, w in self.workloads.items():
+                if w.adapters and not self.fleet.max_loras:
+                    raise ValueError(f"workloads.{name}.adapters: LoRA adapters need engines "
+                                     "with LoRA on: set fleet.max_loras (vLLM's --max-loras)")
             biggest = max(w.group_size for w in self.workloads.values())
             if self.trainer.inflight_bound < biggest:
                 raise ValueError(

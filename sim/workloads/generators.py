@@ -15,6 +15,7 @@ from sim.workloads.sampling import lognormal, lognormal_mixture, token_counts, t
 from sim.workloads.truth import SessionTruth, SimSession, stable_hash, token_ids
 
 _SYSTEM_PROMPT_TAG = 0x5157  # keeps system-prompt seeds apart from group seeds
+_ADAPTER_TAG = 0x10A  # and the draw of a group's LoRA adapter
 
 
 def _group_rng(seed: int, workload: str, index: int) -> np.random.Generator:
@@ -156,4 +157,11 @@ def generate_group(scenario: Scenario, workload: str, index: int) -> tuple[SimSe
         make = rlhf_group
     else:
         make = agentic_group
-    return make(spec, workload, scenario.seed, index, scenario.vocab_size)
+    group = make(spec, workload, scenario.seed, index, scenario.vocab_size)
+    if not spec.adapters:
+        return group
+    # A stream of its own, so the other draws are the same with or without adapters.
+    k = int(np.random.default_rng([scenario.seed, stable_hash(workload), index,
+                                   _ADAPTER_TAG]).integers(spec.adapters))
+    return tuple(SimSession(session=s.session.model_copy(update={"adapter": f"{workload}-a{k}"}),
+                            truth=s.truth, arrival_at=s.arrival_at) for s in group)
