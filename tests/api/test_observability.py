@@ -11,15 +11,9 @@ from pathlib import Path
 import yaml
 from prometheus_client.metrics_core import Metric
 
-from api.models import (
-    BackendStatus,
-    BrokerStatus,
-    MixtureStatus,
-    StatusPublic,
-    WorkloadStatus,
-)
 from api.routers.metrics import StatusCollector
 from broker.metrics import REGISTRY
+from tests.api.helpers import sample_status
 
 ROOT = Path(__file__).resolve().parents[2]
 OBS = ROOT / "docker" / "observability"
@@ -34,21 +28,7 @@ def sample_names(families: list[Metric]) -> set[str]:
 
 def exported() -> set[str]:
     """Every sample name the code can export, labelled metrics included before first use."""
-    status = StatusPublic(
-        at=0.0, namespace="ns", broker=BrokerStatus(lease_held=True),
-        workloads=[WorkloadStatus(workload="rlvr", depth=1, requeued=0, oldest_pending_age_s=1.0,
-                                  failed_total=0,
-                                  finished_total=1, consumed_total=1)],
-        backends=[BackendStatus(
-            backend_id="b0", healthy=True, capacity_tokens=10, max_model_len=10, alpha=1.0,
-            limit_tokens=10, reserved_tokens=1, reserved_by_workload={"rlvr": 1}, sessions=1,
-            admitted_total=1, kv_usage=0.1, running=1, waiting=0, preemptions_total=0,
-            prefix_hit_rate=0.5, prefix_cache_queries_total=2, prefix_cache_hits_total=1,
-            heartbeat_age_s=0.1)],
-        mixture=MixtureStatus(target={"rlvr": 1.0}, consumed_total={"rlvr": 1},
-                              consumed_window={"rlvr": 1}, window_s=60.0, drift_total=0.0,
-                              drift_window=0.0),
-        throughput=[], results_unacknowledged=1, dead_letter=0)
+    status = sample_status()
     return sample_names(list(StatusCollector(status).collect())) | sample_names(
         list(REGISTRY.collect()))
 

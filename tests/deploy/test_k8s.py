@@ -35,13 +35,14 @@ import yaml
 from kubernetes_validate.utils import latest_version
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.models import BackendStatus, BrokerStatus, MixtureStatus, StatusPublic, WorkloadStatus
+from api.models import StatusPublic
 from api.routers.metrics import metrics as metrics_route
 from rollout_broker.cli import app
 from broker.keys import Keys, check_backend_id
 from broker.policies import live_policy_names
 from broker.redis_conn import check_redis_url
 from sim.engine.profiles import get_profile
+from tests.api.helpers import sample_status
 from workers.engine import ChildEngine, EngineSpec, engine_gpus
 from workers.worker import Worker, WorkerSettings
 
@@ -707,20 +708,7 @@ def scaled_objects(target: str) -> list[dict]:
 def api_sample_names() -> frozenset[str]:
     """Every sample name GET /metrics serves: the API's route itself, run on a status with a
     workload that has sessions waiting and a backend (its Redis reader stood in for)."""
-    status = StatusPublic(
-        at=0.0, namespace="ns", broker=BrokerStatus(lease_held=True),
-        workloads=[WorkloadStatus(workload="rlvr", depth=3, requeued=1, oldest_pending_age_s=9.0,
-                                  finished_total=1, failed_total=0, consumed_total=1)],
-        backends=[BackendStatus(
-            backend_id="b0", healthy=True, capacity_tokens=10, max_model_len=10, alpha=1.0,
-            limit_tokens=10, reserved_tokens=1, reserved_by_workload={"rlvr": 1}, sessions=1,
-            admitted_total=1, kv_usage=0.1, running=1, waiting=0, preemptions_total=0,
-            prefix_hit_rate=0.5, prefix_cache_queries_total=2, prefix_cache_hits_total=1,
-            heartbeat_age_s=0.1)],
-        mixture=MixtureStatus(target={"rlvr": 1.0}, consumed_total={"rlvr": 1},
-                              consumed_window={"rlvr": 1}, window_s=60.0, drift_total=0.0,
-                              drift_window=0.0),
-        throughput=[], results_unacknowledged=1, dead_letter=0)
+    status = sample_status()
 
     class Reader:
         async def read(self) -> StatusPublic:
