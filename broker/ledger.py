@@ -193,7 +193,7 @@ def enqueue_limits(keys: Keys) -> Plan[EnqueueLimits]:
             for cap, m, v, _, _ in replies if cap is not None]
     vocabs = [v for _, _, v in rows if v is not None]
     served = [r for r in replies if r[0] is not None]
-    adapters = yield cmd("hkeys", keys.adapters)
+    adapters = yield cmd("hgetall", keys.adapters)  # (the ACL grants hgetall, not hkeys)
     return EnqueueLimits(max_model_len=max((m for _, m, _ in rows), default=None),
                          vocab_size=min(vocabs, default=None),
                          capacity_tokens=max((c for c, _, _ in rows), default=None),
