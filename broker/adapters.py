@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from broker.keys import Keys
 from broker.plans import Cmd, Plan, batch
-from broker.session import REGISTRY_KEY_RE
+from broker.session import check_adapter_name
 from broker.streams import as_text
 
 
@@ -26,9 +26,10 @@ class AdapterRecord:
 
 
 def check_adapter(name: str, path: str) -> None:
-    if not isinstance(name, str) or not REGISTRY_KEY_RE.match(name):
-        raise ValueError(f"name: {name!r} is not an adapter name (1-64 letters, digits, '_', "
-                         "'.' or '-')")
+    try:
+        check_adapter_name(name)
+    except ValueError as exc:
+        raise ValueError(f"name: {exc}") from None
     if not isinstance(path, str) or not path.strip():
         raise ValueError("path: give the adapter's directory (PEFT's adapter_config.json and "
                          "weights) as the engines see it")

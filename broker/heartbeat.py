@@ -51,10 +51,6 @@ class HeartbeatRecord(BaseModel):
     # finish, but takes no new one; the broker places nothing there.
     draining: bool = False
 
-    @property
-    def admits(self) -> bool:
-        return not self.draining
-
     def telemetry(self) -> Telemetry:
         m = self.metrics
         return Telemetry(
@@ -65,6 +61,12 @@ class HeartbeatRecord(BaseModel):
 
     def progress_by_session(self) -> dict[str, SessionProgress]:
         return {p.session_id: p for p in self.sessions}
+
+
+def admits(hb: HeartbeatRecord | None) -> bool:
+    """A backend takes admissions while it beats (`hb`, its latest; None when its key lapsed),
+    unless its worker drains."""
+    return hb is not None and not hb.draining
 
 
 def parse_heartbeat(raw: bytes | str | None) -> HeartbeatRecord | None:

@@ -37,7 +37,7 @@ from itertools import chain, islice
 from broker.completions import RECALL_COMPLETIONS, completion_from_entry
 from broker.decision import LedgerEntry, apply_decision, touched_backends
 from broker.episodes import due_releases
-from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S, HeartbeatRecord
+from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S, admits
 from broker.keys import BROKER_GROUP, Keys
 from broker import metrics
 from broker.lease import Lease
@@ -644,7 +644,7 @@ class BrokerService:
                            if any(sid in led.sessions for sid in unknown))
         ledgers = {b: LedgerEntry(capacity_tokens=led.capacity_tokens, alpha=led.alpha,
                                   sessions=dict(led.sessions),
-                                  healthy=_admits(fleet.heartbeats.get(b)),
+                                  healthy=admits(fleet.heartbeats.get(b)),
                                   reserved_tokens=led.reserved_tokens)
                    for b, led in fleet.ledgers.items() if b in touched}
         for adm in decision.admissions:
@@ -699,8 +699,3 @@ class BrokerService:
             # 'no_capacity' / 'unhealthy' / 'no_backend': the session stays pending.
         self.admitted_total += admitted
         return admitted
-
-
-def _admits(hb: HeartbeatRecord | None) -> bool:
-    """A backend takes admissions while it beats, unless its worker drains."""
-    return hb is not None and hb.admits

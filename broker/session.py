@@ -33,6 +33,13 @@ WORKLOAD_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # workload names
 REGISTRY_KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 MODEL_RE = re.compile(r"^[!-~]{1,256}$")  # a served model's name: a path or hub id, no spaces
 
+def check_adapter_name(name: object) -> None:
+    """ValueError unless `name` can name a LoRA adapter (a registry key, as tools are)."""
+    if not isinstance(name, str) or not REGISTRY_KEY_RE.match(name):
+        raise ValueError(f"{name!r} is not an adapter name (1-64 letters, digits, '_', '.' "
+                         "or '-')")
+
+
 # Strict scalars: JSON `true` is not a token id, `"10"` is not a number of tokens, and NaN or
 # Infinity (which JSON cannot carry; they would be stored as null) is not a metadata value.
 FiniteFloat = Annotated[float, Field(strict=True, allow_inf_nan=False)]
@@ -191,9 +198,8 @@ class Session(BaseModel):
     @field_validator("adapter")
     @classmethod
     def _adapter_shape(cls, v: str | None) -> str | None:
-        if v is not None and not REGISTRY_KEY_RE.match(v):
-            raise ValueError(f"{v!r} is not an adapter name (1-64 letters, digits, '_', '.' "
-                             "or '-')")
+        if v is not None:
+            check_adapter_name(v)
         return v
 
     @field_validator("workload")

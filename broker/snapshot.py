@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import redis
 
-from broker.heartbeat import HeartbeatRecord, SessionProgress, parse_heartbeat
+from broker.heartbeat import HeartbeatRecord, SessionProgress, admits, parse_heartbeat
 from broker.keys import BROKER_GROUP, Keys
 from broker.ledger import (EnqueueLimits, LedgerState, ledger_fields, ledger_state,
                            ledger_version, parse_ledger)
@@ -308,10 +308,9 @@ def backend_view(ledger: LedgerState, hb: HeartbeatRecord | None,
         resident = memo.view.sessions
     view = BackendView(
         backend_id=ledger.backend_id, capacity_tokens=ledger.capacity_tokens,
-        max_model_len=ledger.max_model_len, healthy=hb is not None and hb.admits,
-        alpha=ledger.alpha,
-        telemetry=telemetry, sessions=resident, model=ledger.model,
-        max_loras=ledger.max_loras, adapters=frozenset(hb.adapters) if hb is not None else frozenset(),
+        max_model_len=ledger.max_model_len, healthy=admits(hb), alpha=ledger.alpha,
+        telemetry=telemetry, sessions=resident, model=ledger.model, max_loras=ledger.max_loras,
+        adapters=frozenset(hb.adapters) if hb is not None else frozenset(),
     )
     if cache is not None:
         cache._views[ledger.backend_id] = _ViewMemo(key, view, complete, sessions)

@@ -141,7 +141,7 @@ class _Live:
     handed_back: int = 0  # times a leaving engine handed it back to the queue
     # LoRA: its turn waits for an adapter slot on its engine, or for the adapter to load
     # (while either, it has no request on the engine but holds its place there).
-    slot_wait: bool = False
+    slot_wait_since: float | None = None  # when it began waiting for a slot; None: not waiting
     loading: bool = False
     slot_held: bool = False  # its turn holds one of the engine's adapter slots
 
@@ -197,12 +197,7 @@ class FleetSim:
                 f"vocab_size: {scenario.vocab_size} exceeds the {profile.name} profile's "
                 f"vocabulary ({profile.vocab_size}); prompts would hold ids the model lacks")
         self._profile = profile
-        self.engines: dict[str, EngineCore] = {
-            f"e{i}": EngineCore(profile, kv_tokens=scenario.fleet.kv_tokens, seed=scenario.seed + i)
-            for i in range(scenario.fleet.engines)
-        }
-        # Engines joining and leaving (fleet.changes): their states, and what the changes did.
-        self.members = Membership(self.engines)
+        self.engines: dict[str, EngineCore] = {}  # made below (`_new_engine`)
         self._scale_totals = {"engines_joined": 0, "engines_left": 0, "sessions_handed_back": 0,
                               "tokens_handed_back": 0, "tokens_lost_to_scale_in": 0,
                               "reprefill_tokens": 0}
@@ -215,12 +210,10 @@ class FleetSim:
         # The ledger as the live broker keeps it: resident sessions per backend as the policy
         # sees them (reservations at once, progress as the last delivered heartbeat said),
         # α per backend; and each resident session's progress as it truly is now.
-        self.resident: dict[str, dict[str, ResidentSession]] = {b: {} for b in self.engines}
-        self._progress: dict[str, dict[str, ResidentSession]] = {b: {} for b in self.engines}
+        self.resident: dict[str, dict[str, ResidentSession]] = {}
+        self._progress: dict[str, dict[str, ResidentSession]] = {}
         self._beats: deque[tuple[dict[str, Telemetry], dict[str, dict[str, ResidentSession]]]] = deque()
-        self.ledger: dict[str, LedgerEntry] = {
-            b: LedgerEntry(capacity_tokens=e.num_gpu_blocks * e.block_size)
-            for b, e in self.engines.items()}
+        self.ledger: dict[str, LedgerEntry] = {}
         self.telemetry: dict[str, Telemetry] = {}
         self.completions: list[Completion] = []  # finished since the last decide()
         self.learned: list[Completion] = []  # every completion handed to the policy
@@ -262,12 +255,10 @@ class FleetSim:
         self._loaded: dict[str, OrderedDict[str, None]] = {}
         self._lora_totals = {"loads": 0, "slot_waits": 0, "slot_wait_s": 0.0}
         self._loading: dict[str, list[_Live]] = {}  # "engine|adapter" -> turns waiting for it
-        self._slot_wait_since: dict[str, float] = {}
-        for b, engine in self.engines.items():
-            self._next_at[b] = None
-            engine.on_change = self._engine_notifier(b)
-            self._engine_changed(b)
-            self._add_adapter_slots(b)
+        for _ in range(scenario.fleet.engines):
+            self._new_engine()
+        # Engines joining and leaving (fleet.changes): their states, and what the changes did.
+        self.members = Membership(self.engines)
         # The backend views of the last snapshot (the visible engines, in engine order), and
         # the backends whose view must be built again: their resident sessions, telemetry or α
         # changed (marks of engines not in the snapshot are skipped).
@@ -559,9 +550,8 @@ class FleetSim:
         adapter = sim.session.adapter
         if adapter is not None and self._slots and not live.slot_held:
             if not self._slots[live.backend].submit(adapter, live):
-                live.slot_wait = True  # every slot is another adapter's: it waits
+                live.slot_wait_since = self.now  # every slot is another adapter's: it waits
                 self._lora_totals["slot_waits"] += 1
-                self._slot_wait_since[sim.session_id] = self.now
                 self._update_resident(live)
                 return
             live.slot_held = True
@@ -686,11 +676,6 @@ class FleetSim:
         self._make_pending(live, requeue=scale_in)
 
     # -- LoRA adapters (fleet.max_loras) ---------------------------------------------------
-    def _add_adapter_slots(self, b: str) -> None:
-        if self.scenario.fleet.max_loras:
-            self._slots[b] = AdapterSlots(self.scenario.fleet.max_loras)
-            self._loaded[b] = OrderedDict()
-
     def _adapter_ready(self, live: _Live) -> bool:
         """Whether the turn's adapter is loaded on its engine (now the most recently used);
         else its load starts (or is under way) and the turn starts when it ends."""
@@ -736,10 +721,9 @@ class FleetSim:
         b = live.backend
         live.slot_held = False
         for other in self._slots[b].release(live.sim.session.adapter):
-            other.slot_wait = False
+            self._lora_totals["slot_wait_s"] += self.now - other.slot_wait_since
+            other.slot_wait_since = None
             other.slot_held = True
-            since = self._slot_wait_since.pop(other.sim.session_id, self.now)
-            self._lora_totals["slot_wait_s"] += self.now - since
             if b not in self.members.cut:
                 self._start_turn(other)
 
@@ -747,11 +731,9 @@ class FleetSim:
         """A turn that had not started leaves its engine (handed back): out of the slot queue and
         the load it waited for, its slot (if it held one) given back."""
         b = live.backend
-        if live.slot_wait:
-            slots = self._slots[b]
-            slots.waiting = deque(w for w in slots.waiting if w[1] is not live)
-            live.slot_wait = False
-            self._slot_wait_since.pop(live.sim.session_id, None)
+        if live.slot_wait_since is not None:
+            self._slots[b].cancel(live)
+            live.slot_wait_since = None
         if live.loading:
             key = f"{b}|{live.sim.session.adapter}"
             self._loading[key] = [w for w in self._loading.get(key, []) if w is not live]
@@ -769,23 +751,31 @@ class FleetSim:
         for b in self.members.victims(change.remove):
             self._begin_leaving(b, change.drain_grace_s or 0.0)
 
+    def _new_engine(self, healthy: bool = True) -> str:
+        """Engine `e<N>` (N: the engines made so far; seeded the scenario's seed + N), with its
+        ledger entry (admitting or not, by `healthy`), its event times and, with LoRA, its
+        adapter slots. Returns its backend id."""
+        i = len(self.engines)
+        b = f"e{i}"
+        fleet = self.scenario.fleet
+        engine = self.engines[b] = EngineCore(self._profile, kv_tokens=fleet.kv_tokens,
+                                              seed=self.scenario.seed + i)
+        self.resident[b], self._progress[b] = {}, {}
+        self.ledger[b] = LedgerEntry(capacity_tokens=engine.num_gpu_blocks * engine.block_size,
+                                     healthy=healthy)
+        self._next_at[b] = None
+        engine.on_change = self._engine_notifier(b)
+        self._engine_changed(b)
+        if fleet.max_loras:
+            self._slots[b] = AdapterSlots(fleet.max_loras)
+            self._loaded[b] = OrderedDict()
+        return b
+
     def _add_engine(self) -> None:
         """A worker pod starts with a fresh engine and backend id. It registers its ledger
         entry at once (refusing admissions: `healthy` off) and is in the policy's snapshot from
         its first heartbeat delivered (`_beats_of_members`)."""
-        i = len(self.engines)
-        b = f"e{i}"
-        engine = EngineCore(self._profile, kv_tokens=self.scenario.fleet.kv_tokens,
-                            seed=self.scenario.seed + i)
-        self.engines[b] = engine
-        self.resident[b], self._progress[b] = {}, {}
-        self.ledger[b] = LedgerEntry(capacity_tokens=engine.num_gpu_blocks * engine.block_size,
-                                     healthy=False)
-        self._next_at[b] = None
-        engine.on_change = self._engine_notifier(b)
-        self._engine_changed(b)
-        self._add_adapter_slots(b)
-        self.members.join(b, self.now)
+        self.members.join(self._new_engine(healthy=False), self.now)
         self._scale_totals["engines_joined"] += 1
 
     def _beats_of_members(self, telemetry: dict[str, Telemetry],

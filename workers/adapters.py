@@ -6,8 +6,8 @@ adapter at the version the namespace registered (broker/adapters.py): `POST
 /v1/load_lora_adapter {lora_name, lora_path}` the first time, with `load_inplace` when the
 namespace registered new weights since. The engine must run with `--enable-lora` (and
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`, which `workers/engine.py` sets for engines it starts);
-`--max-loras` (the adapters one step may mix) is read from the engine's configuration
-(`/server_info`) and registered, so the broker places an adapter's sessions
+`--max-loras` (the adapters one step may mix) is read with the rest of the engine's info
+(`workers.engine.read_engine_info`) and registered, so the broker places an adapter's sessions
 only where a slot is free or already holds it.
 
 The worker keeps at most `cache` adapters loaded (default: `max_loras`, which is vLLM's
@@ -24,46 +24,15 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from broker.adapters import AdapterRecord
 from workers.runner import EngineError, EngineUnavailable
 
 log = logging.getLogger("rollout_broker.worker")
 
-LORA_INFO = "vllm:lora_requests_info"
-
-
 class AdapterError(EngineError):
     """The session's adapter cannot be used (not registered, or the engine refused its files):
     the session's fault, so it ends failed with the message."""
-
-
-def max_loras_from_metrics(text: str) -> int:
-    """`--max-loras` as the engine's /metrics reports it (the `max_lora` label of
-    `vllm:lora_requests_info`, which vLLM sets from its first scheduler step on); 0 when the
-    metric has no sample."""
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == LORA_INFO and sample.labels.get("max_lora"):
-                return int(sample.labels["max_lora"])
-    return 0
-
-
-def read_max_loras(url: str, timeout_s: float = 10.0) -> int:
-    """The engine's `--max-loras`, 0 with LoRA off: from its configuration (`GET
-    /server_info?config_format=json`, `vllm_config.lora_config`, served in the dev mode the
-    worker needs anyway), else from /metrics."""
-    base = url.rstrip("/")
-    r = httpx.get(base + "/server_info", params={"config_format": "json"}, timeout=timeout_s)
-    if r.status_code == 200:
-        config = r.json().get("vllm_config")
-        if isinstance(config, dict) and "lora_config" in config:
-            lora = config["lora_config"]
-            return int(lora.get("max_loras") or 0) if isinstance(lora, dict) else 0
-    r = httpx.get(base + "/metrics", timeout=timeout_s)
-    r.raise_for_status()
-    return max_loras_from_metrics(r.text)
 
 
 class AdapterLoader:
@@ -82,7 +51,6 @@ class AdapterLoader:
         self.loaded: OrderedDict[str, int] = OrderedDict()  # name -> version, LRU first
         # What the heartbeat thread reads: set anew (never changed in place) on every change.
         self.names: tuple[str, ...] = ()
-        self.loads = 0  # loads sent to the engine (first loads and reloads)
         self._users: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -135,7 +103,6 @@ class AdapterLoader:
         if r.status_code >= 400:
             raise AdapterError(f"adapter: {record.name!r} from {record.path}: the engine "
                                f"refused it (HTTP {r.status_code}: {r.text[:300]})")
-        self.loads += 1
         log.info("adapter %s: loaded version %d from %s", record.name, record.version,
                  record.path)
 

@@ -393,6 +393,7 @@ class EngineInfo:
     capacity_tokens: int
     vocab_size: int | None = None  # token ids must be below it
     version: str = "unknown"  # GET /version
+    max_loras: int = 0  # LoRA adapters one step may mix (--max-loras); 0: LoRA off
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -483,7 +484,8 @@ def read_engine_info(url: str, timeout_s: float = 60.0, weight_reload: bool = Fa
     worker calls (`check_rl_endpoints`; EngineIncompatible otherwise)."""
     with httpx.Client(timeout=timeout_s) as http:
         models = http.get(f"{url}/v1/models").raise_for_status().json()["data"]
-        scrape = parse_metrics(http.get(f"{url}/metrics").raise_for_status().text)
+        scrape_text = http.get(f"{url}/metrics").raise_for_status().text
+        scrape = parse_metrics(scrape_text)
         r = http.get(f"{url}/version")
         version = str(r.json().get("version", "unknown")) if r.status_code == 200 else "unknown"
         if not models:
@@ -493,9 +495,37 @@ def read_engine_info(url: str, timeout_s: float = 60.0, weight_reload: bool = Fa
             raise RuntimeError(f"engine: {url}/metrics has no vllm:cache_config_info with "
                                "num_gpu_blocks and block_size")
         check_rl_endpoints(http, url, version, weight_reload)
+        max_loras = engine_max_loras(http, url, scrape_text)
     vocab = card.get("vocab_size")
     if not (isinstance(vocab, int) and vocab > 0):
         vocab = model_vocabulary(str(card.get("root") or card["id"]))
     return EngineInfo(model=card["id"], max_model_len=int(card.get("max_model_len") or 0)
                       or scrape.capacity_tokens, capacity_tokens=scrape.capacity_tokens,
-                      vocab_size=vocab, version=version)
+                      vocab_size=vocab, version=version, max_loras=max_loras)
+
+
+LORA_INFO = "vllm:lora_requests_info"
+
+
+def engine_max_loras(http: httpx.Client, url: str, metrics_text: str) -> int:
+    """The engine's `--max-loras`, 0 with LoRA off: from its configuration (`GET
+    /server_info?config_format=json`, `vllm_config.lora_config`, served in the dev mode the
+    worker needs anyway), else from its /metrics (`metrics_text`)."""
+    r = http.get(url + "/server_info", params={"config_format": "json"})
+    if r.status_code == 200:
+        config = r.json().get("vllm_config")
+        if isinstance(config, dict) and "lora_config" in config:
+            lora = config["lora_config"]
+            return int(lora.get("max_loras") or 0) if isinstance(lora, dict) else 0
+    return max_loras_from_metrics(metrics_text)
+
+
+def max_loras_from_metrics(text: str) -> int:
+    """`--max-loras` as the engine's /metrics reports it (the `max_lora` label of
+    `vllm:lora_requests_info`, which vLLM sets from its first scheduler step on); 0 when the
+    metric has no sample."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == LORA_INFO and sample.labels.get("max_lora"):
+                return int(sample.labels["max_lora"])
+    return 0

@@ -58,7 +58,7 @@ from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
 from broker.redis_conn import Outage, is_outage
 from broker.session import PartialRollout, Session, SessionResult, SessionState
 from broker.worker_link import AdmittedSession, BackendReclaimed, NotRegistered, WorkerLink
-from workers.adapters import AdapterLoader, read_max_loras
+from workers.adapters import AdapterLoader
 from workers.engine import EngineInfo, EngineScrape, parse_metrics, read_engine_info
 from workers.runner import (
     EngineUnavailable,
@@ -133,8 +133,7 @@ class WorkerCounters:
 
 class Worker:
     def __init__(self, settings: WorkerSettings, engine_url: str, tools: ToolExecutor,
-                 weights_hook: WeightsHook | None = None, info: EngineInfo | None = None,
-                 max_loras: int | None = None) -> None:
+                 weights_hook: WeightsHook | None = None, info: EngineInfo | None = None) -> None:
         self.settings = settings
         self.weights_hook = weights_hook
         self.failure: str | None = None  # why the worker stopped by itself (a weights hook)
@@ -146,8 +145,6 @@ class Worker:
         self.counters = WorkerCounters()
         self.engine_up = True  # the circuit: closed while the engine serves
         self.info: EngineInfo | None = info  # read (and the engine checked) at start if None
-        # The engine's --max-loras (0: LoRA off); read from its /metrics at start if None.
-        self.max_loras: int | None = max_loras
         self.adapters: AdapterLoader | None = None  # the adapters loaded there (LoRA on)
         self.draining = False  # stopping: its beats say so, and the broker admits nothing more
         self._outage = Outage(f"worker {settings.backend_id}", log)
@@ -217,9 +214,6 @@ class Worker:
             self._io.shutdown(wait=True)
             self.link.close()
             return
-        if self.max_loras is None:
-            self.max_loras = await self._unless_stopped(asyncio.to_thread(
-                read_max_loras, self.engine_url))
         await self._unless_stopped(self._register())
         if not self._registered.is_set():
             log.info("worker %s: stopped before it registered", s.backend_id)
@@ -230,10 +224,10 @@ class Worker:
                               max_keepalive_connections=min(256, s.max_connections))
         timeout = httpx.Timeout(s.runner.request_timeout_s, pool=None)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
-            if self.max_loras:
+            if self.info.max_loras:
                 self.adapters = AdapterLoader(
                     http, self.engine_url, partial(self._redis_until_ok, self.link.adapter),
-                    s.lora_cache or self.max_loras)
+                    s.lora_cache or self.info.max_loras)
             runner = SessionRunner(http, self.engine_url, self.info.model,
                                    self.info.max_model_len, self.tools, s.runner,
                                    vocab_size=s.vocab_size or self.info.vocab_size,
@@ -373,12 +367,12 @@ class Worker:
         await self._redis_until_ok(self.link.register, self.info.capacity_tokens,
                                    self.info.max_model_len, vocab,
                                    self.settings.advertise_url or self.engine_url, self.info.model,
-                                   self.max_loras or 0)
+                                   self.info.max_loras)
         self._registered.set()
         log.info("worker %s: registered, capacity %d tokens, max_model_len %d, vocabulary %s, "
                  "LoRA %s", self.settings.backend_id, self.info.capacity_tokens,
                  self.info.max_model_len, vocab or "unknown",
-                 f"on (max_loras {self.max_loras})" if self.max_loras else "off")
+                 f"on (max_loras {self.info.max_loras})" if self.info.max_loras else "off")
 
     async def _withdraw(self, deadline_s: float) -> None:
         """Hand everything admitted here back (see `WorkerLink.withdraw`); if Redis stays down

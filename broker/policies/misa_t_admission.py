@@ -155,13 +155,16 @@ class AdmissionRound:
             pool = pools.get(w)
             if pool is None:
                 pool = pools[w] = placement.pool([b for v, b in held.items() if v != w])
-            items = fresh[w]
-            while cursor[w] < len(items) and not self._servable(items[cursor[w]], pool):
+            items, where = fresh[w], None
+            while cursor[w] < len(items):
+                where = self._where(items[cursor[w]], pool)
+                if where is not None:
+                    break
                 cursor[w] += 1  # no backend serves it or has an adapter slot: the rest go on
-            if cursor[w] >= len(items):
+            if where is None:
                 live.discard(w)
                 continue
-            taken, charged, need = self._admit_next(items, cursor[w], pool)
+            taken, charged, need = self._admit_next(items, cursor[w], where)
             if not taken:
                 live.discard(w)  # its oldest does not fit: FIFO within a workload, no overtaking
                 if self._hold_for(w, quota, pool, need, held):
@@ -206,12 +209,11 @@ class AdmissionRound:
 
     def _admit_next(self, items: Sequence[PendingItem], start: int,
                     pool: Pool) -> tuple[int, float, float]:
-        """Admit the item at `start` (with the rest of its GRPO group): (how many, KV charged,
-        the charge of the item at `start`)."""
+        """Admit the item at `start` (with the rest of its GRPO group) to `pool`, the backends
+        that may take it (`_where`): (how many, KV charged, the charge of the item at
+        `start`)."""
         head = items[start]
         need = self.predictions.charge(head)
-        if _needs(head):
-            pool = self._eligible(head, pool)
         if not self.accounted.placement.fits(pool, need):
             return 0, 0.0, need  # (the usual end of a workload's turn in a call: no lookups)
         group = [head]
@@ -285,14 +287,16 @@ class AdmissionRound:
         self.residency.admitted(item, charge, self.call.now)
 
     # -- models and LoRA adapters ------------------------------------------------------------
-    def _servable(self, item: PendingItem, pool: Pool) -> bool:
-        """Whether some backend of `pool` serves `item`'s model (and LoRA, for an adapter)
-        and, for an adapter, has a slot for it now. A session that fails this waits without
-        holding back the sessions behind it, as vLLM's scheduler lets the requests behind one
-        whose adapter has no slot go ahead; one that fits nowhere for its KV still does."""
+    def _where(self, item: PendingItem, pool: Pool) -> Pool | None:
+        """The backends of `pool` that may take `item` (`_eligible`; all of them for a session
+        naming no model or adapter), or None where none serves it or, for an adapter, has a
+        slot for it now. Such a session waits without holding back the sessions behind it, as
+        vLLM's scheduler lets the requests behind one whose adapter has no slot go ahead; one
+        that fits nowhere for its KV still does."""
         if not _needs(item):
-            return True
-        return bool(self._eligible(item, pool).members)
+            return pool
+        eligible = self._eligible(item, pool)
+        return eligible if eligible.members else None
 
     def _in_use(self, b: BackendState) -> set[str]:
         if self.adapters is None:

@@ -38,6 +38,10 @@ class AdapterSlots(Generic[T]):
         self.slot_waits += 1
         return False
 
+    def cancel(self, request: T) -> None:
+        """`request` no longer waits for a slot (its client went away, it was handed back)."""
+        self.waiting = deque(w for w in self.waiting if w[1] is not request)
+
     def release(self, name: str) -> list[T]:
         """A request of `name` left the engine; returns the waiting requests that enter now,
         oldest first (each holding its slot)."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections import deque
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -117,8 +116,7 @@ class LoraState:
                 await woken
             except asyncio.CancelledError:  # the client went away
                 if woken.cancelled():  # still waiting: out of the queue
-                    self.slots.waiting = deque(w for w in self.slots.waiting
-                                               if w[1] is not woken)
+                    self.slots.cancel(woken)
                 else:  # it had entered: the slot is ours to give back
                     self.release(name)
                 raise

@@ -16,8 +16,7 @@ from broker.session import Session, SessionState
 from sim.server.testing import running_engine
 from tests.broker.helpers import BrokerThread, wait_until
 from tests.workers.helpers import WorkerThread, prompt
-from workers.adapters import read_max_loras
-from workers.engine import EngineSpec, open_engine
+from workers.engine import EngineSpec, open_engine, read_engine_info
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -150,8 +149,8 @@ def test_a_sim_engine_spec_passes_its_arguments_and_the_worker_reads_max_loras()
     assert spec == EngineSpec("sim", "h100-8b", ("--max-loras", "2"))
     handle = open_engine(spec, time_scale=100.0, ready_timeout_s=60)
     try:
-        assert read_max_loras(handle.url) == 2
+        assert read_engine_info(handle.url).max_loras == 2
     finally:
         handle.close()
     with running_engine(time_scale=200.0) as plain:  # LoRA off
-        assert read_max_loras(plain.url) == 0
+        assert read_engine_info(plain.url).max_loras == 0
