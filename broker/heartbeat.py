@@ -38,6 +38,19 @@ class EngineMetrics(BaseModel):
     prefix_hits_total: int = Field(ge=0)
 
 
+class SharedPart(BaseModel):
+    """On an engine several namespaces share (broker/shares.py): this namespace's part of it.
+    The beat's `metrics.kv_usage` is then this namespace's KV in use as a fraction of
+    `capacity_tokens`; the engine's queue and preemption counters stay the engine's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    capacity_tokens: int = Field(ge=1)  # the KV this namespace may plan against now
+    share: float = Field(gt=0.0, le=1.0)  # its guaranteed fraction of the engine
+    foreign_adapters: int = Field(default=0, ge=0)  # LoRA slots the other namespaces hold
+    namespaces: int = Field(ge=2)  # how many namespaces the engine serves
+
+
 class HeartbeatRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -50,6 +63,7 @@ class HeartbeatRecord(BaseModel):
     # The worker drains (SIGTERM: a scale-in, a rollout): it still beats while its sessions
     # finish, but takes no new one; the broker places nothing there.
     draining: bool = False
+    shared: SharedPart | None = None  # None: the engine serves this namespace alone
 
     def telemetry(self) -> Telemetry:
         m = self.metrics

@@ -42,7 +42,7 @@ from broker.keys import BROKER_GROUP, Keys
 from broker import metrics
 from broker.lease import Lease
 from broker.policies import check_live_policy, make_policy
-from broker.policies.base import Completion, Decision, PendingItem, Policy
+from broker.policies.base import Completion, Decision, PendingItem, Policy, Snapshot, serves
 from broker.plans import Cmd, Runner, ScriptCall, durable
 from broker.body import load_body
 from broker.queue import (PendingEntry, SessionQueue, decode_entry, session_fit_error,
@@ -57,6 +57,7 @@ from broker.snapshot import (
     build_snapshot,
     live_limits,
     pending_item,
+    planned_capacity,
     read_fleet,
     resident_meta,
 )
@@ -140,6 +141,7 @@ class BrokerService:
         self._unchecked: list[tuple[dict[str, _Held], _Held]] = []
         self._expiry_rules: tuple | None = None  # (stale rule, live limits) last checked
         self._views = ViewCache()  # ledgers, heartbeats and views read and built last time
+        self._said_waiting: dict[str, float] = {}  # shared backend -> when `waiting_at` was set
         self._touched: set[str] = set()  # backends whose ledgers our own scripts changed
         self._meta_checked: dict[str, str | None] = {}  # ledger version whose sessions have meta
         self._meta_pruned = time.monotonic()
@@ -558,7 +560,29 @@ class BrokerService:
         t0 = time.perf_counter()
         decision = self.policy.decide(snap)
         metrics.DECIDE.observe(time.perf_counter() - t0)
+        self._say_waiting(snap, decision, now)
         return self._apply(decision, fleet, now)
+
+    def _say_waiting(self, snap: Snapshot, decision: Decision, now: float) -> None:
+        """On engines other namespaces share, say in the backend's ledger (`waiting_at`) that
+        this namespace has sessions pending there, at most once a second per backend: its
+        worker then keeps this namespace's guaranteed share from the others
+        (broker/shares.py). Sessions this decision admits do not count."""
+        shared = [v for v in snap.backends if v.shared and v.healthy
+                  and now - self._said_waiting.get(v.backend_id, 0.0) >= 1.0]
+        if not shared:
+            return
+        placed = {a.session_id for a in decision.admissions}
+        left = [item for items in snap.pending.values() for item in items
+                if item.session_id not in placed]
+        waiting = [v.backend_id for v in shared if any(serves(v, item) for item in left)]
+        if not waiting:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for b in waiting:
+            pipe.hset(self.keys.ledger(b), "waiting_at", repr(now))
+            self._said_waiting[b] = now
+        pipe.execute()
 
     def _expire_unrunnable(self, weights: WeightsState, fleet: FleetRead) -> None:
         """Pending sessions that must not wait end failed with the reason, before any policy
@@ -642,7 +666,8 @@ class BrokerService:
         if unknown:  # admitted by an earlier broker (or moved): look them up
             touched.update(b for b, led in fleet.ledgers.items()
                            if any(sid in led.sessions for sid in unknown))
-        ledgers = {b: LedgerEntry(capacity_tokens=led.capacity_tokens, alpha=led.alpha,
+        ledgers = {b: LedgerEntry(capacity_tokens=planned_capacity(led, fleet.heartbeats.get(b)),
+                                  alpha=led.alpha,
                                   sessions=dict(led.sessions),
                                   healthy=admits(fleet.heartbeats.get(b)),
                                   reserved_tokens=led.reserved_tokens)

@@ -254,6 +254,13 @@ def resident_meta(session: Session, admitted_at: float) -> ResidentMeta:
                         adapter=session.adapter)
 
 
+def planned_capacity(ledger: LedgerState, hb: HeartbeatRecord | None) -> int:
+    """The KV tokens a backend's admissions are planned against: its engine's capacity, or on
+    an engine several namespaces share, this namespace's part of it now (broker/shares.py)."""
+    return hb.shared.capacity_tokens if hb is not None and hb.shared is not None \
+        else ledger.capacity_tokens
+
+
 def backend_view(ledger: LedgerState, hb: HeartbeatRecord | None,
                  meta: Mapping[str, ResidentMeta], cache: ViewCache | None = None) -> BackendView:
     """The policy's view of one backend (see `ViewCache` for what a `cache` reuses)."""
@@ -306,11 +313,15 @@ def backend_view(ledger: LedgerState, hb: HeartbeatRecord | None,
         # Every session as before, in the same order: the very same tuple, so a policy can
         # tell an unchanged backend by identity (MisaT keeps its sums per backend that way).
         resident = memo.view.sessions
+    shared = hb.shared if hb is not None else None
     view = BackendView(
-        backend_id=ledger.backend_id, capacity_tokens=ledger.capacity_tokens,
+        backend_id=ledger.backend_id, capacity_tokens=planned_capacity(ledger, hb),
         max_model_len=ledger.max_model_len, healthy=admits(hb), alpha=ledger.alpha,
-        telemetry=telemetry, sessions=resident, model=ledger.model, max_loras=ledger.max_loras,
+        telemetry=telemetry, sessions=resident, model=ledger.model,
+        max_loras=max(0, ledger.max_loras - shared.foreign_adapters) if shared
+        else ledger.max_loras,
         adapters=frozenset(hb.adapters) if hb is not None else frozenset(),
+        shared=shared is not None,
     )
     if cache is not None:
         cache._views[ledger.backend_id] = _ViewMemo(key, view, complete, sessions)

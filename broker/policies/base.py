@@ -90,6 +90,9 @@ class BackendView:
     # the adapters the engine has loaded (a session with one of them starts without a load).
     max_loras: int = 0
     adapters: frozenset[str] = frozenset()
+    # The engine serves other namespaces too (broker/shares.py): `capacity_tokens` and
+    # `max_loras` are this namespace's part of it now, and its admissions must stay in them.
+    shared: bool = False
 
     @property
     def reserved_tokens(self) -> int:

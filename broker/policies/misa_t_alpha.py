@@ -83,17 +83,20 @@ class AlphaLoop:
                 if cfg.aimd.backed_off(hb, before):
                     self._calm_since[b] = hb.at
             self._last_hb[b] = hb
-        if self.open:
+        if self.open and not view.shared:
             # While admission is open the loop's α follows the reservations, so that it
             # closes where the ledger stands instead of far below it.
             alpha = min(cfg.aimd.alpha_max,
                         max(cfg.aimd.alpha_min, reserved / view.capacity_tokens, alpha))
         self.alpha[b] = alpha
 
-    def ledger_alpha(self, b: str) -> float:
-        """The α the ledger holds for backend b: `open_alpha` while admission is open, else
-        the loop's."""
-        return self.config.open_alpha if self.open else self.alpha[b]
+    def ledger_alpha(self, view: BackendView) -> float:
+        """The α the ledger holds for a backend: `open_alpha` while admission is open, else
+        the loop's. Admission never opens on an engine other namespaces share: their
+        guaranteed shares hold only while each namespace's reservations bind (an engine queue
+        filled by one job would serve it first)."""
+        b = view.backend_id
+        return self.config.open_alpha if self.open and not view.shared else self.alpha[b]
 
     def forget(self, b: str) -> None:
         """Backend b left the fleet (its α stays, for a return)."""

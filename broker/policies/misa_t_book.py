@@ -171,7 +171,7 @@ class Book:
                 and booked.max_model_len == view.max_model_len):
             # Nothing moved here since the last call: the same sums, α and prefix horizon (the
             # limit moves only when admission opens or closes).
-            alpha = self.alpha_loop.ledger_alpha(b)
+            alpha = self.alpha_loop.ledger_alpha(view)
             state = booked.state
             state.view = view
             limit = alpha * view.capacity_tokens
@@ -187,7 +187,7 @@ class Book:
             booked = self._charge_residents(view, call.now, fresh, decision)
             self.alpha_loop.adapt(view, fresh, call.next_charge, booked.reserved, booked.growth,
                                   call.now)
-            alpha = self.alpha_loop.ledger_alpha(b)
+            alpha = self.alpha_loop.ledger_alpha(view)
             state = booked.state
             state.limit = alpha * view.capacity_tokens
             moved.append(state)
