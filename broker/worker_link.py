@@ -37,7 +37,8 @@ from broker.adapters import AdapterRecord
 from broker.adapters import read as read_adapter
 from broker.body import dump_body, load_body
 from broker.completions import CompletionStats, completion_json, completion_of
-from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S, EngineMetrics, HeartbeatRecord, SessionProgress
+from broker.heartbeat import (DEFAULT_HEARTBEAT_TTL_S, EngineMetrics, HeartbeatRecord,
+                              SessionProgress, SharedPart)
 from broker.keys import WORKERS_GROUP, Keys, check_backend_id
 from broker.ledger import Ledger
 from broker.plans import Runner, ScriptCall, durable
@@ -88,15 +89,16 @@ class WorkerLink:
 
     def heartbeat(self, metrics: EngineMetrics, progress: Sequence[SessionProgress] = (),
                   at: float | None = None, adapters: Sequence[str] = (),
-                  draining: bool = False) -> None:
+                  draining: bool = False, shared: SharedPart | None = None) -> None:
         """Refresh this backend's liveness (the key's TTL) and carry `metrics` as taken at unix
         time `at` (default now): an engine whose /metrics answers slowly sends older numbers,
         with their age, but the beat itself is on time. `draining`: the worker is stopping;
-        the broker admits nothing more here."""
+        the broker admits nothing more here. `shared`: on an engine several namespaces share,
+        this namespace's part of it (broker/shares.py)."""
         now = time.time()
         record = HeartbeatRecord(backend_id=self.backend_id, at=now if at is None else at,
                                  metrics=metrics, sessions=list(progress), sent_at=now,
-                                 adapters=sorted(adapters), draining=draining)
+                                 adapters=sorted(adapters), draining=draining, shared=shared)
         k = self.keys
         reply = as_text(self._scripts.heartbeat(
             keys=[k.heartbeat(self.backend_id), k.ledger(self.backend_id), k.events],
@@ -116,6 +118,15 @@ class WorkerLink:
         pipe.xadd(k.events, {"kind": "withdraw", "backend": self.backend_id},
                   maxlen=10000, approximate=True)
         pipe.execute()
+
+    def stake(self) -> tuple[int, float, float | None]:
+        """This backend's ledger as an engine several namespaces share needs it: the
+        reservations, α, and when the namespace's broker last said it has sessions pending
+        that this backend could run (`waiting_at`, None if never)."""
+        reserved, alpha, waiting_at = self._client.hmget(self.keys.ledger(self.backend_id),
+                                                         "reserved", "alpha", "waiting_at")
+        return (int(reserved or 0), float(alpha or 1.0),
+                float(waiting_at) if waiting_at is not None else None)
 
     def adapter(self, name: str) -> AdapterRecord | None:
         """LoRA adapter `name` as the namespace registered it (broker/adapters.py), or None."""

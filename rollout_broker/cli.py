@@ -240,7 +240,7 @@ def worker(
     backend_id: Annotated[str, typer.Option(help="this backend's id (one per engine)", envvar="RB_BACKEND_ID")],
     engine: Annotated[str, typer.Option(help="attach:URL, 'vllm:MODEL ARGS...' (the vLLM arguments after the model) or sim:PROFILE", envvar="RB_ENGINE")],
     redis_url: Annotated[str, typer.Option(help="Redis server URL", envvar="RB_REDIS_URL")] = DEFAULT_REDIS_URL,
-    namespace: Annotated[str, typer.Option(help="key namespace (one RL job)", envvar="RB_NAMESPACE")] = "default",
+    namespace: Annotated[str, typer.Option(help="key namespace (one RL job); several share the engine: 'jobA=0.6,jobB=0.4' (guaranteed shares of its KV; 'jobA,jobB': equal)", envvar="RB_NAMESPACE")] = "default",
     time_scale: Annotated[float, typer.Option(help="sim engines and simulated tools: simulated seconds per wall second")] = 1.0,
     kv_tokens: Annotated[Optional[int], typer.Option(help="sim engines: KV capacity in tokens")] = None,
     seed: Annotated[int, typer.Option(help="sim engines: seed")] = 0,
@@ -272,6 +272,7 @@ def worker(
     """Run admitted sessions on one engine (attached, or started as a child) until SIGTERM."""
     import logging
 
+    from broker.shares import parse_tenants
     from workers.main import EngineOptions, ToolOptions, WorkerConfigError, run_worker
     from workers.runner import RunnerSettings
     from workers.worker import WorkerSettings
@@ -279,8 +280,13 @@ def worker(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # One INFO line per engine request (every turn, every /metrics poll) would drown the log.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    try:
+        tenants = parse_tenants(namespace)
+    except ValueError as exc:
+        raise _usage_error("worker", exc) from None
     settings = WorkerSettings(
-        backend_id=backend_id, redis_url=redis_url, namespace=namespace, heartbeat_s=heartbeat_s,
+        backend_id=backend_id, redis_url=redis_url, namespace=next(iter(tenants)),
+        heartbeat_s=heartbeat_s,
         heartbeat_ttl_s=heartbeat_ttl, drain_grace_s=drain_grace,
         engine_down_after_s=engine_down_after, vocab_size=vocab_size, advertise_url=advertise_url,
         lora_cache=lora_cache, runner=RunnerSettings(request_timeout_s=request_timeout, retries=engine_retries))
@@ -298,7 +304,8 @@ def worker(
                                  seed=seed, ready_timeout_s=ready_timeout,
                                  weights_hook=weights_hook, host=engine_host, port=engine_port),
                    ToolOptions(kind=tools, timeout_s=tool_timeout, retries=tool_retries,
-                               config=tool_config, redis_url=tools_redis_url))
+                               config=tool_config, redis_url=tools_redis_url),
+                   tenants)
     except WorkerConfigError as exc:  # a bad option, named, before anything started
         raise _usage_error("worker", exc) from None
 

@@ -14,6 +14,10 @@ The worker keeps at most `cache` adapters loaded (default: `max_loras`, which is
 default `--max-cpu-loras`, its CPU cache of adapters) and unloads the least recently used one
 that no running session uses to make room. The loaded set goes out with every heartbeat: the
 broker prefers an engine that has a session's adapter already.
+
+On an engine several namespaces share (broker/shares.py) each namespace has its own
+`AdapterLoader` over the engine's one `EngineAdapters` (the cache and its order), and loads its
+adapters under `<namespace>/<name>`: two jobs may name different adapters alike.
 """
 
 from __future__ import annotations
@@ -35,34 +39,24 @@ class AdapterError(EngineError):
     the session's fault, so it ends failed with the message."""
 
 
-class AdapterLoader:
-    """The adapters this worker has loaded into its engine, least recently used first."""
+class EngineAdapters:
+    """The adapters loaded into one engine, by their names there, least recently used first,
+    and how many running sessions use each. One per engine, whichever namespaces it serves."""
 
-    def __init__(self, http: httpx.AsyncClient, engine_url: str,
-                 lookup: Callable[[str], Awaitable[AdapterRecord | None]], cache: int,
-                 timeout_s: float = 120.0) -> None:
+    def __init__(self, cache: int) -> None:
         if cache < 1:
             raise ValueError(f"cache: {cache} must be at least 1 adapter")
-        self.http = http
-        self.base = engine_url.rstrip("/")
-        self.lookup = lookup
         self.cache = cache
-        self.timeout_s = timeout_s
-        self.loaded: OrderedDict[str, int] = OrderedDict()  # name -> version, LRU first
-        # What the heartbeat thread reads: set anew (never changed in place) on every change.
+        self.loaded: OrderedDict[str, int] = OrderedDict()  # engine name -> version, LRU first
+        # What the heartbeat threads read: set anew (never changed in place) on every change.
         self.names: tuple[str, ...] = ()
+        self.in_use: frozenset[str] = frozenset()
         self._users: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
-    async def acquire(self, name: str) -> None:
-        """Make sure the engine has `name` at its registered version, and hold it loaded
-        until `release`. Raises AdapterError naming the adapter."""
+    def hold(self, name: str) -> None:
         self._users[name] = self._users.get(name, 0) + 1
-        try:
-            await self._ensure(name)
-        except BaseException:
-            self.release(name)
-            raise
+        self.in_use = frozenset(self._users)
 
     def release(self, name: str) -> None:
         left = self._users.get(name, 0) - 1
@@ -70,31 +64,87 @@ class AdapterLoader:
             self._users[name] = left
         else:
             self._users.pop(name, None)
+        self.in_use = frozenset(self._users)
+
+    def held(self, name: str) -> bool:
+        return bool(self._users.get(name))
+
+    def lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    def set_loaded(self, name: str, version: int | None) -> None:
+        """Record `name` loaded at `version` (most recently used), or gone (None)."""
+        if version is None:
+            self.loaded.pop(name, None)
+        else:
+            self.loaded[name] = version
+            self.loaded.move_to_end(name)
+        self.names = tuple(self.loaded)
+
+
+class AdapterLoader:
+    """One namespace's adapters on its worker's engine: loaded on demand, by the versions the
+    namespace registered; `scope` is the prefix of their names in the engine ('' when the
+    engine serves this namespace alone)."""
+
+    def __init__(self, http: httpx.AsyncClient, engine_url: str,
+                 lookup: Callable[[str], Awaitable[AdapterRecord | None]],
+                 engine: EngineAdapters, scope: str = "", timeout_s: float = 120.0) -> None:
+        self.http = http
+        self.base = engine_url.rstrip("/")
+        self.lookup = lookup
+        self.engine = engine
+        self.scope = scope
+        self.timeout_s = timeout_s
+
+    def engine_name(self, name: str) -> str:
+        """The name the engine knows adapter `name` by (what requests give as `model`)."""
+        return self.scope + name
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """This namespace's adapters loaded in the engine (safe to read from another thread)."""
+        n = len(self.scope)
+        return tuple(e[n:] for e in self.engine.names if e.startswith(self.scope))
+
+    def in_use(self) -> frozenset[str]:
+        """The engine names of this namespace's adapters that running sessions use."""
+        return frozenset(e for e in self.engine.in_use if e.startswith(self.scope))
+
+    async def acquire(self, name: str) -> None:
+        """Make sure the engine has `name` at its registered version, and hold it loaded
+        until `release`. Raises AdapterError naming the adapter."""
+        self.engine.hold(self.engine_name(name))
+        try:
+            await self._ensure(name)
+        except BaseException:
+            self.release(name)
+            raise
+
+    def release(self, name: str) -> None:
+        self.engine.release(self.engine_name(name))
 
     def forget(self, name: str) -> None:
         """The engine no longer has `name` (it answered 404 for it: restarted); load it again
         on the next `acquire`."""
-        self.loaded.pop(name, None)
-        self.names = tuple(self.loaded)
+        self.engine.set_loaded(self.engine_name(name), None)
 
     async def _ensure(self, name: str) -> None:
-        lock = self._locks.setdefault(name, asyncio.Lock())
-        async with lock:
+        engine_name = self.engine_name(name)
+        async with self.engine.lock(engine_name):
             record = await self.lookup(name)
             if record is None:
                 raise AdapterError(f"adapter: {name!r} is not registered in this namespace")
-            have = self.loaded.get(name)
+            have = self.engine.loaded.get(engine_name)
             if have == record.version:
-                self.loaded.move_to_end(name)
+                self.engine.set_loaded(engine_name, have)
                 return
-            await self._make_room(name)
-            await self._load(record, in_place=have is not None)
-            self.loaded[name] = record.version
-            self.loaded.move_to_end(name)
-            self.names = tuple(self.loaded)
+            await self._make_room(engine_name)
+            await self._load(engine_name, record, in_place=have is not None)
+            self.engine.set_loaded(engine_name, record.version)
 
-    async def _load(self, record: AdapterRecord, in_place: bool) -> None:
-        body = {"lora_name": record.name, "lora_path": record.path, "load_inplace": in_place}
+    async def _load(self, engine_name: str, record: AdapterRecord, in_place: bool) -> None:
+        body = {"lora_name": engine_name, "lora_path": record.path, "load_inplace": in_place}
         r = await self._post("/v1/load_lora_adapter", body)
         if r.status_code == 400 and "already been loaded" in r.text and not in_place:
             # Loaded by this engine before this worker knew (a restarted worker): the
@@ -103,24 +153,25 @@ class AdapterLoader:
         if r.status_code >= 400:
             raise AdapterError(f"adapter: {record.name!r} from {record.path}: the engine "
                                f"refused it (HTTP {r.status_code}: {r.text[:300]})")
-        log.info("adapter %s: loaded version %d from %s", record.name, record.version,
+        log.info("adapter %s: loaded version %d from %s", engine_name, record.version,
                  record.path)
 
-    async def _make_room(self, name: str) -> None:
-        """Unload least recently used adapters no running session holds, down to `cache` - 1
-        besides `name` (an adapter all of whose slots are in use stays: vLLM pages adapters
-        itself, so more loaded than the cache costs memory, not correctness)."""
-        if name in self.loaded:
+    async def _make_room(self, engine_name: str) -> None:
+        """Unload least recently used adapters (of any namespace) no running session holds,
+        down to `cache` - 1 besides `engine_name` (an adapter all of whose slots are in use
+        stays: vLLM pages adapters itself, so more loaded than the cache costs memory, not
+        correctness)."""
+        engine = self.engine
+        if engine_name in engine.loaded:
             return
-        for old in list(self.loaded):
-            if len(self.loaded) < self.cache:
+        for old in list(engine.loaded):
+            if len(engine.loaded) < engine.cache:
                 return
-            if self._users.get(old):
+            if engine.held(old):
                 continue
             r = await self._post("/v1/unload_lora_adapter", {"lora_name": old})
             if r.status_code < 400 or r.status_code == 404:
-                self.loaded.pop(old, None)
-                self.names = tuple(self.loaded)
+                engine.set_loaded(old, None)
 
     async def _post(self, path: str, body: dict) -> httpx.Response:
         try:

@@ -1,5 +1,10 @@
 """`rollout-broker worker`: open the engine, run the worker until SIGTERM/SIGINT, stop the engine.
 
+A worker whose engine serves several namespaces (`--namespace 'jobA=0.6,jobB=0.4'`,
+broker/shares.py) runs one `Worker` per namespace in this process, over the one engine, each
+with its own tool executor; they share the engine's LoRA adapter cache and an
+`EngineTenancy` (workers/tenancy.py).
+
 The first SIGTERM or SIGINT drains (see `workers.worker`); a second one during the drain cuts
 the grace short. The engine child, if we started one, is stopped in `finally`.
 """
@@ -10,9 +15,11 @@ import asyncio
 import logging
 import os
 import signal
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 from broker.redis_conn import check_redis_url
+from broker.shares import shares_of
 from sim.engine.profiles import check_engine_options, get_profile
 from workers.engine import (
     NO_VLLM,
@@ -24,6 +31,8 @@ from workers.engine import (
     read_engine_info,
     vllm_command,
 )
+from workers.adapters import EngineAdapters
+from workers.tenancy import EngineTenancy
 from workers.tools import load_registry, make_executor, tools_redis_url
 from workers.worker import Worker, WorkerSettings, load_weights_hook
 
@@ -53,21 +62,23 @@ class ToolOptions:
     redis_url: str | None = None  # rq: the tool queues' Redis (default: the worker's own)
 
 
-async def _serve(worker: Worker) -> None:
+async def _serve(workers: list[Worker]) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
     def on_signal() -> None:
         if stop.is_set():  # second signal: no more grace
-            worker.settings.drain_grace_s = 0.0
+            for w in workers:
+                w.settings.drain_grace_s = 0.0
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     try:
-        await worker.run(stop)
+        await asyncio.gather(*(w.run(stop) for w in workers))
     finally:
-        await worker.tools.aclose()
+        for w in workers:
+            await w.tools.aclose()
 
 
 class WorkerConfigError(ValueError):
@@ -75,11 +86,15 @@ class WorkerConfigError(ValueError):
     before the worker serves (and before anything starts, for an option)."""
 
 
-def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptions) -> None:
+def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptions,
+               tenants: Mapping[str, float] | None = None) -> None:
     """Check the options (`WorkerConfigError` naming the bad one, before anything starts), open
     the engine and check it (`WorkerConfigError` naming what it lacks: `read_engine_info`),
     serve until a signal, close the engine. SystemExit (status 1, saying why) when the worker
-    stopped by itself: its weights hook failed."""
+    stopped by itself: its weights hook failed. `tenants`: the namespaces the engine serves
+    and their guaranteed shares (`broker.shares.parse_tenants`; default: `settings.namespace`
+    alone)."""
+    tenancy = EngineTenancy(tenants or {settings.namespace: 1.0})
     try:
         check_redis_url(settings.redis_url)
         spec = EngineSpec.parse(engine.spec)
@@ -109,6 +124,10 @@ def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptio
             if not install.cpu_build:  # the container's GPUs against the parallel sizes
                 check_gpu_count(spec.args, os.environ)
         hook = load_weights_hook(engine.weights_hook)
+        if hook is not None and tenancy.shared:
+            raise ValueError("weights_hook: an engine several namespaces share serves one set "
+                             "of weights; jobs sharing it train LoRA adapters (register new "
+                             "adapter weights with RolloutClient.register_adapter) instead")
         if tools.kind not in ("inline", "rq"):
             raise ValueError(f"tools: {tools.kind!r} must be 'inline' or 'rq'")
         # With rq the tool workers' registry is the one that counts; theirs is loaded there.
@@ -130,12 +149,19 @@ def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptio
         log.info("worker %s: engine serves %s (vLLM %s): max_model_len %d, vocabulary %s",
                  settings.backend_id, info.model, info.version, info.max_model_len,
                  info.vocab_size)
-        executor = make_executor(tools.kind, tools_url, settings.namespace,
-                                 tools.timeout_s, tools.retries,
-                                 registry)
-        worker = Worker(settings, handle.url, executor, hook, info)
-        asyncio.run(_serve(worker))
+        adapters = EngineAdapters(settings.lora_cache or info.max_loras) \
+            if info.max_loras else None
+        workers = [Worker(replace(settings, namespace=ns), handle.url,
+                          make_executor(tools.kind, tools_url, ns, tools.timeout_s,
+                                        tools.retries, registry),
+                          hook, info, tenancy, adapters)
+                   for ns in tenancy.shares]
+        if tenancy.shared:
+            log.info("worker %s: the engine serves namespaces %s", settings.backend_id,
+                     shares_of(tenancy.shares))
+        asyncio.run(_serve(workers))
     finally:
         handle.close()
-    if worker.failure:  # it stopped by itself, its sessions handed back: say why, exit 1
-        raise SystemExit(f"worker {settings.backend_id}: {worker.failure}")
+    failures = [w.failure for w in workers if w.failure]
+    if failures:  # it stopped by itself, its sessions handed back: say why, exit 1
+        raise SystemExit(f"worker {settings.backend_id}: {failures[0]}")

@@ -177,8 +177,11 @@ class EngineWeights:
     first resumes on a version: outputs then carry each session's own `policy_version`), and
     whether generation is paused for a weight update (the worker's control loop sets both)."""
 
-    def __init__(self, version: int | None = None) -> None:
+    def __init__(self, version: int | None = None, labelled: bool = True) -> None:
         self.version = version
+        # The worker labels the engine's weights with the version (False on an engine several
+        # namespaces share: nothing changes its weights, and a label would be another's).
+        self.labelled = labelled
         self.epoch = 0  # pauses seen
         self.draining = False  # the worker stops: cut sessions are handed back with their output
         self._generating = asyncio.Event()
@@ -227,7 +230,7 @@ class EngineWeights:
         """The policy version an engine's weights label names: the worker labels the engine's
         weights with the version it serves (`label_for`); None for any other label, or while
         the namespace serves no version (outputs then carry their session's own)."""
-        if self.version is None or not label.isdecimal():
+        if self.version is None or not self.labelled or not label.isdecimal():
             return None
         return int(label)
 
@@ -401,7 +404,9 @@ class SessionRunner:
             extra["sim_tool_call"] = turn < sim_turns - 1
         if extra:
             params["extra_args"] = extra
-        body = {"model": session.adapter or self.model, "token_ids": prompt,
+        model = self.model if session.adapter is None or self.adapters is None \
+            else self.adapters.engine_name(session.adapter)
+        body = {"model": model, "token_ids": prompt,
                 "request_id": request_id, "output_mode": "text" if text else "tokens",
                 "sampling_params": params}
         started_on = self.weights.version_for(session)

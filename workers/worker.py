@@ -58,7 +58,7 @@ from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
 from broker.redis_conn import Outage, is_outage
 from broker.session import PartialRollout, Session, SessionResult, SessionState
 from broker.worker_link import AdmittedSession, BackendReclaimed, NotRegistered, WorkerLink
-from workers.adapters import AdapterLoader
+from workers.adapters import AdapterLoader, EngineAdapters
 from workers.engine import EngineInfo, EngineScrape, parse_metrics, read_engine_info
 from workers.runner import (
     EngineUnavailable,
@@ -68,6 +68,7 @@ from workers.runner import (
     RunnerSettings,
     SessionRunner,
 )
+from workers.tenancy import EngineTenancy, Stake
 from workers.tools import ToolExecutor, ToolUnavailable, describe_error, import_callable
 
 log = logging.getLogger("rollout_broker.worker")
@@ -133,7 +134,11 @@ class WorkerCounters:
 
 class Worker:
     def __init__(self, settings: WorkerSettings, engine_url: str, tools: ToolExecutor,
-                 weights_hook: WeightsHook | None = None, info: EngineInfo | None = None) -> None:
+                 weights_hook: WeightsHook | None = None, info: EngineInfo | None = None,
+                 tenancy: EngineTenancy | None = None,
+                 engine_adapters: EngineAdapters | None = None) -> None:
+        """`tenancy` and `engine_adapters`: what this worker shares with the workers of the
+        other namespaces its engine serves (workers/tenancy.py); None: it serves one."""
         self.settings = settings
         self.weights_hook = weights_hook
         self.failure: str | None = None  # why the worker stopped by itself (a weights hook)
@@ -146,6 +151,15 @@ class Worker:
         self.engine_up = True  # the circuit: closed while the engine serves
         self.info: EngineInfo | None = info  # read (and the engine checked) at start if None
         self.adapters: AdapterLoader | None = None  # the adapters loaded there (LoRA on)
+        if tenancy is not None and not tenancy.shared:
+            tenancy = None
+        if tenancy is not None and weights_hook is not None:
+            raise ValueError("weights_hook: an engine several namespaces share serves one set "
+                             "of weights; jobs sharing it train LoRA adapters instead")
+        self.tenancy = tenancy
+        if tenancy is not None:
+            tenancy.join(settings.namespace, self._holdings)
+        self._engine_adapters = engine_adapters
         self.draining = False  # stopping: its beats say so, and the broker admits nothing more
         self._outage = Outage(f"worker {settings.backend_id}", log)
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="redis")
@@ -219,15 +233,17 @@ class Worker:
             log.info("worker %s: stopped before it registered", s.backend_id)
             self._close_unstarted()
             return
-        self.weights = EngineWeights(weights.version)
+        self.weights = EngineWeights(weights.version, labelled=self.tenancy is None)
         limits = httpx.Limits(max_connections=s.max_connections,
                               max_keepalive_connections=min(256, s.max_connections))
         timeout = httpx.Timeout(s.runner.request_timeout_s, pool=None)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
             if self.info.max_loras:
+                engine = self._engine_adapters or EngineAdapters(s.lora_cache
+                                                                 or self.info.max_loras)
                 self.adapters = AdapterLoader(
                     http, self.engine_url, partial(self._redis_until_ok, self.link.adapter),
-                    s.lora_cache or self.info.max_loras)
+                    engine, self.tenancy.adapter_scope(s.namespace) if self.tenancy else "")
             runner = SessionRunner(http, self.engine_url, self.info.model,
                                    self.info.max_model_len, self.tools, s.runner,
                                    vocab_size=s.vocab_size or self.info.vocab_size,
@@ -300,7 +316,15 @@ class Worker:
 
     async def _pause_engine(self, http: httpx.AsyncClient, mode: str, epoch: int) -> None:
         """Pause the engine with vLLM's API, then acknowledge; sessions whose requests it
-        aborts wait for the resume (workers/runner.py)."""
+        aborts wait for the resume (workers/runner.py). On an engine other namespaces share,
+        the pause is this namespace's own: its next requests wait for the resume, its running
+        ones finish (nothing changes the engine's weights), and the engine serves on."""
+        if self.tenancy is not None:
+            self.weights.pause(epoch, "wait")
+            await self._redis_until_ok(self.link.ack_paused, epoch)
+            log.info("worker %s: namespace %s paused (pause %d; the engine is shared and "
+                     "serves on)", self.settings.backend_id, self.settings.namespace, epoch)
+            return
         self.weights.pause(epoch, mode)
         try:
             # `wait` returns once the engine's requests have finished: as long as a turn may take.
@@ -325,7 +349,10 @@ class Worker:
     async def _label_weights(self, http: httpx.AsyncClient, version: int | None) -> None:
         """Label the engine's weights with `version` (vLLM's `POST /update_weight_version`)
         before it generates on them: every output span says which weights made it, so a
-        request a `keep` pause froze across the update is split where they changed."""
+        request a `keep` pause froze across the update is split where they changed. (Not on
+        an engine several namespaces share: its weights never change.)"""
+        if self.tenancy is not None:
+            return
         try:
             r = await http.post(f"{self.engine_url}/update_weight_version",
                                 json={"new_version": EngineWeights.label_for(version)},
@@ -585,10 +612,18 @@ class Worker:
         if not (self.engine_up and self._registered.is_set()) or self._scrape is None:
             return
         progress = [p.snapshot() for _, p in list(self._running.values())]
+        engine_metrics, shared = self._scrape.metrics, None
         try:
-            self.link.heartbeat(self._scrape.metrics, progress, at=self._scraped_at,
+            if self.tenancy is not None:  # this namespace's part of the engine
+                self.tenancy.read_stake(s.namespace, Stake(*self.link.stake()))
+                assert self.info is not None
+                part = self.tenancy.part(s.namespace, self.info.capacity_tokens,
+                                         engine_metrics.kv_usage)
+                engine_metrics = engine_metrics.model_copy(update={"kv_usage": part.kv_usage})
+                shared = self.tenancy.shared_part(s.namespace, part)
+            self.link.heartbeat(engine_metrics, progress, at=self._scraped_at,
                                 adapters=self.adapters.names if self.adapters else (),
-                                draining=self.draining)
+                                draining=self.draining, shared=shared)
         except Exception as exc:
             if is_outage(exc):
                 self._outage.failed(exc)
@@ -598,6 +633,12 @@ class Worker:
                 log.exception("worker %s: heartbeat failed", s.backend_id)
             return
         self._outage.ok()
+
+    def _holdings(self) -> tuple[int, frozenset[str]]:
+        """What this namespace's sessions hold on the engine now: their context tokens and
+        the engine names of the adapters they use (read from other namespaces' beats)."""
+        kv = sum(p.context_tokens for _, p in list(self._running.values()))
+        return kv, self.adapters.in_use() if self.adapters is not None else frozenset()
 
     async def _watch_engine(self, http: httpx.AsyncClient, stop: asyncio.Event) -> None:
         """The circuit breaker: GET /health every beat; open on a refused connection or

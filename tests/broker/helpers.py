@@ -53,3 +53,12 @@ def published(client, keys) -> int:
     hash (lua/finish.lua, expire.lua, requeue.lua), in the step that publishes it; the stream
     itself keeps only the results not acknowledged yet."""
     return sum(int(v) for f, v in client.hgetall(keys.kv_seconds).items() if f.startswith(b"n:"))
+
+
+def collect(client, n: int, timeout: float = 60.0) -> list:
+    """At least `n` results read from `client` (waiting up to `timeout`), acknowledged."""
+    got: list = []
+    assert wait_until(lambda: len(got.__iadd__(client.results(n, timeout=0.2)) or got) >= n,
+                      timeout=timeout, every=0)
+    client.ack()
+    return got

@@ -14,8 +14,10 @@ from pathlib import Path
 import httpx
 
 from broker.session import Session
-from workers.engine import parse_metrics
+from workers.adapters import EngineAdapters
+from workers.engine import parse_metrics, read_engine_info
 from workers.runner import RunnerSettings
+from workers.tenancy import EngineTenancy
 from workers.tools import InlineExecutor, ToolRegistry
 from workers.worker import WeightsHook, Worker, WorkerSettings
 
@@ -54,15 +56,27 @@ def kill_process_groups(procs: Mapping[str, subprocess.Popen]) -> None:
 
 
 class WorkerThread:
+    """One worker on one engine, in a thread of its own; `tenants` (namespace -> guaranteed
+    share) makes it serve several namespaces there, as `rollout-broker worker --namespace
+    'a=0.6,b=0.4'` does (one `Worker` per namespace, `self.workers`; `self.worker` is the
+    first)."""
+
     def __init__(self, redis_url: str, namespace: str, backend_id: str, engine_url: str,
                  time_scale: float = 200.0, weights_hook: WeightsHook | None = None,
-                 registry: ToolRegistry | None = None, **settings) -> None:
-        self.worker = Worker(WorkerSettings(backend_id=backend_id, redis_url=redis_url,
-                                            namespace=namespace, heartbeat_s=0.2,
-                                            runner=RunnerSettings(time_scale=time_scale),
-                                            **settings),
-                             engine_url, InlineExecutor(timeout_s=10.0, registry=registry),
-                             weights_hook)
+                 registry: ToolRegistry | None = None,
+                 tenants: Mapping[str, float] | None = None, **settings) -> None:
+        tenancy = EngineTenancy(tenants or {namespace: 1.0})
+        info = read_engine_info(engine_url) if tenancy.shared else None
+        adapters = EngineAdapters(info.max_loras) if info is not None and info.max_loras \
+            else None
+        self.workers = [
+            Worker(WorkerSettings(backend_id=backend_id, redis_url=redis_url, namespace=ns,
+                                  heartbeat_s=0.2, runner=RunnerSettings(time_scale=time_scale),
+                                  **settings),
+                   engine_url, InlineExecutor(timeout_s=10.0, registry=registry),
+                   weights_hook, info, tenancy, adapters)
+            for ns in tenancy.shares]
+        self.worker = self.workers[0]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
@@ -73,9 +87,10 @@ class WorkerThread:
         self._stop = asyncio.Event()
         self._ready.set()
         try:
-            await self.worker.run(self._stop)
+            await asyncio.gather(*(w.run(self._stop) for w in self.workers))
         finally:
-            await self.worker.tools.aclose()
+            for w in self.workers:
+                await w.tools.aclose()
 
     def start(self) -> WorkerThread:
         self.thread.start()

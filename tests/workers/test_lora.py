@@ -14,7 +14,7 @@ from broker.client import RolloutClient
 from broker.policies import make_policy
 from broker.session import Session, SessionState
 from sim.server.testing import running_engine
-from tests.broker.helpers import BrokerThread, wait_until
+from tests.broker.helpers import BrokerThread, collect, wait_until
 from tests.workers.helpers import WorkerThread, prompt
 from workers.engine import EngineSpec, open_engine, read_engine_info
 
@@ -29,14 +29,6 @@ def sessions(tag: str, model: str, adapter: str | None, n: int) -> list[Session]
                     max_tokens=256, model=model, adapter=adapter,
                     sampling={"seed": 7, "temperature": 1.0, "ignore_eos": True})
             for i in range(n)]
-
-
-def collect(client: RolloutClient, n: int) -> list:
-    got: list = []
-    assert wait_until(lambda: len(got.__iadd__(client.results(n, timeout=0.5)) or got) >= n,
-                      timeout=60, every=0)
-    client.ack()
-    return got
 
 
 def test_sessions_run_where_their_model_and_adapter_are_served(redis_url, namespace,

@@ -17,7 +17,7 @@ from broker.client import RolloutClient
 from broker.policies import make_policy
 from broker.session import Session, SessionState
 from sim.server.testing import running_engine
-from tests.broker.helpers import BrokerThread, wait_until
+from tests.broker.helpers import BrokerThread, collect, wait_until
 from tests.workers.helpers import WorkerThread, generation_tokens, prompt
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,14 +38,6 @@ def engines_running(urls: list[str]) -> int:
         line = next(x for x in text.splitlines() if x.startswith("vllm:num_requests_running"))
         total += int(float(line.split()[-1]))
     return total
-
-
-def collect(client: RolloutClient, n: int, timeout: float = 60) -> list:
-    got: list = []
-    assert wait_until(lambda: len(got.__iadd__(client.results(n, timeout=0.5)) or got) >= n,
-                      timeout=timeout, every=0)
-    client.ack()
-    return got
 
 
 def run_fleet(redis_url: str, namespace: str, scenario) -> tuple[list, dict[str, int]]:
