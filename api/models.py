@@ -136,6 +136,10 @@ class BackendStatus(BaseModel):
     prefix_cache_queries_total: int | None  # prompt tokens looked up (vLLM's counter)
     prefix_cache_hits_total: int | None  # of those, served from the prefix cache
     heartbeat_age_s: float | None
+    # On an engine several namespaces share (docs/fleet.md): this namespace's guaranteed share
+    # and the KV tokens it may plan against now (None: the engine is this namespace's alone).
+    share: float | None = None
+    part_tokens: int | None = None
 
 
 class MixtureStatus(BaseModel):

@@ -29,7 +29,7 @@ from api.models import (
     WorkloadStatus,
 )
 from broker import latency
-from broker.heartbeat import EngineMetrics
+from broker.heartbeat import EngineMetrics, SharedPart
 from broker.keys import Keys
 from broker.ledger import parse_ledger
 from broker.mixture import mixture_drift
@@ -80,9 +80,14 @@ def _backend(b: str, ledger_flat, n_sessions: int, metrics, added: int,
     led = parse_ledger(b, _pairs(ledger_flat), {})
     if led is None:
         return None
-    m = at = None
+    m = at = part = None
     if isinstance(metrics, dict):
         at = metrics.pop("at", None)
+        try:
+            part = SharedPart.model_validate(metrics.pop("shared", None) or {}) \
+                if "shared" in metrics else None
+        except ValidationError:
+            part = None
         try:
             m = EngineMetrics.model_validate(metrics)
         except ValidationError:  # an unreadable beat is no health (as parse_heartbeat says)
@@ -99,6 +104,8 @@ def _backend(b: str, ledger_flat, n_sessions: int, metrics, added: int,
         prefix_cache_queries_total=m.prefix_queries_total if m else None,
         prefix_cache_hits_total=m.prefix_hits_total if m else None,
         heartbeat_age_s=max(0.0, now - float(at)) if m and isinstance(at, int | float) else None,
+        share=part.share if m and part else None,
+        part_tokens=part.capacity_tokens if m and part else None,
     )
 
 

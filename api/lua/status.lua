@@ -58,6 +58,9 @@ for i = 0, nb - 1 do
     local at = tonumber(string.match(raw, '"at"%s*:%s*([-+%d.eE]+)'))
     if ok and type(m) == 'table' and at then
       m.at = at
+      -- On an engine several namespaces share: this namespace's part (a flat object too).
+      local sok, part = pcall(cjson.decode, string.match(raw, '"shared"%s*:%s*(%b{})') or 'null')
+      if sok and type(part) == 'table' then m.shared = part end
       metrics = m
     end
   end

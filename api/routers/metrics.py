@@ -36,6 +36,8 @@ _BACKEND_GAUGES = (  # (metric suffix, BackendStatus field, help)
     ("running", "running", "engine requests running"),
     ("waiting", "waiting", "engine requests waiting"),
     ("heartbeat_age_seconds", "heartbeat_age_s", "seconds since the metrics in the last heartbeat"),
+    ("share_ratio", "share", "on an engine namespaces share: this namespace's guaranteed share"),
+    ("part_tokens", "part_tokens", "on an engine namespaces share: the KV tokens this namespace may plan against now"),
 )
 
 

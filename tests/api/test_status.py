@@ -149,3 +149,30 @@ def test_the_api_keeps_the_charts_history(api, fleet):
     last = h["samples"][-1]
     assert last["queue"]["rlvr"] == 3 and "b0" in last["kv"]
     assert [s["at"] for s in h["samples"]] == sorted(s["at"] for s in h["samples"])
+
+
+def test_a_shared_engine_shows_this_namespaces_share_and_part(api, redis_url, namespace):
+    """A backend whose engine other namespaces share (docs/fleet.md): its status and metrics
+    say this namespace's guaranteed share and the part it plans against now."""
+    from broker.heartbeat import EngineMetrics, SharedPart
+    from broker.worker_link import WorkerLink
+
+    metrics = EngineMetrics(kv_usage=0.2, running=1, waiting=0, preemptions_total=0,
+                            prefix_queries_total=0, prefix_hits_total=0)
+    links = {b: WorkerLink(redis_url, namespace, b) for b in ("shared", "own")}
+    try:
+        for link in links.values():
+            link.register(10_000, 4096)
+        links["shared"].heartbeat(metrics, shared=SharedPart(capacity_tokens=3_000, share=0.3,
+                                                             namespaces=2))
+        links["own"].heartbeat(metrics)
+        by_id = {b["backend_id"]: b for b in api.get("/v1/backends").json()}
+        assert (by_id["shared"]["share"], by_id["shared"]["part_tokens"]) == (0.3, 3_000)
+        assert (by_id["own"]["share"], by_id["own"]["part_tokens"]) == (None, None)
+        text = api.get("/metrics").text
+        assert 'rb_backend_part_tokens{backend="shared"} 3000.0' in text
+        assert 'rb_backend_share_ratio{backend="shared"} 0.3' in text
+        assert 'rb_backend_share_ratio{backend="own"}' not in text
+    finally:
+        for link in links.values():
+            link.close()
