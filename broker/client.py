@@ -48,7 +48,9 @@ from broker.streams import BacklogCursor, as_text
 from broker.weights import (
     WeightsState,
     order_pause,
+    order_pause_adapter,
     order_resume,
+    order_resume_adapter,
     order_staleness,
     read_state,
     wait_paused,
@@ -312,6 +314,10 @@ class _Plans:
         epoch = yield self._retry(order_pause, self.keys, mode)
         return (yield self._retry(wait_paused, self.keys, epoch, timeout))
 
+    def _pause_adapter(self, name: str, mode: str, timeout: float) -> Plan[list[str]]:
+        epoch = yield self._retry(order_pause_adapter, self.keys, name, mode)
+        return (yield self._retry(wait_paused, self.keys, epoch, timeout))
+
     # -- cancel and status ----------------------------------------------------------------------
     def _cancel_groups(self, group_ids: list[str]) -> Plan[dict[str, str]]:
         out: dict[str, str] = {}
@@ -497,6 +503,19 @@ class RolloutClient(_Plans):
         them): engines resume, outputs from now on carry `version`, admission restarts."""
         return self._runner.run(self._retried(order_resume, self.keys, version))
 
+    def pause_adapter(self, name: str, mode: str = "keep", timeout: float = 30.0) -> list[str]:
+        """Pause what serves LoRA adapter `name` for an adapter-only weight update
+        (broker/weights.py): its pending sessions wait, and the engines that have it loaded
+        pause with vLLM's `mode`; everything else runs on. Register the new weights with
+        `register_adapter(name, path)`, then `resume_adapter(name)`. Returns once every live
+        worker has acknowledged, with their backend ids."""
+        return self._runner.run(self._pause_adapter(name, mode, timeout))
+
+    def resume_adapter(self, name: str) -> bool:
+        """End adapter `name`'s pause: the paused engines load its registered weights in place
+        and resume, and its sessions are admitted again. False if it was not paused."""
+        return self._runner.run(self._retried(order_resume_adapter, self.keys, name))
+
     def set_max_staleness(self, max_staleness: int | None) -> None:
         """Bound how many policy versions behind the engines' a session may be: a pending one
         further behind is not admitted (its `on_stale` says whether it fails or runs on the
@@ -627,6 +646,13 @@ class AsyncRolloutClient(_Plans):
 
     async def resume(self, version: int) -> int:
         return await self._run(self._retried(order_resume, self.keys, version))
+
+    async def pause_adapter(self, name: str, mode: str = "keep",
+                            timeout: float = 30.0) -> list[str]:
+        return await self._run(self._pause_adapter(name, mode, timeout))
+
+    async def resume_adapter(self, name: str) -> bool:
+        return await self._run(self._retried(order_resume_adapter, self.keys, name))
 
     async def set_max_staleness(self, max_staleness: int | None) -> None:
         await self._run(self._retried(order_staleness, self.keys, max_staleness))

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain, islice
 
@@ -529,11 +529,15 @@ class BrokerService:
         return True
 
     # -- deciding -------------------------------------------------------------------------------
-    def _pending_view(self) -> dict[str, list[PendingItem]]:
+    def _pending_view(self, paused_adapters: Container[str] = frozenset()) -> dict[str, list[PendingItem]]:
+        """Each workload's first `window` pending items, but for those of a paused adapter
+        (an adapter-only weight update: they wait for its resume)."""
         out = {}
         n = self.settings.window
         for w in self._workloads:
             held = chain(self._front.get(w, {}).values(), self._back.get(w, {}).values())
+            if paused_adapters:
+                held = (h for h in held if h.item.adapter not in paused_adapters)
             out[w] = [h.item for h in islice(held, n)]
         return out
 
@@ -550,7 +554,7 @@ class BrokerService:
         if weights.paused:
             return 0  # a weight update: nothing is admitted until resume (its event wakes us)
         self._expire_unrunnable(weights, fleet)
-        pending = self._pending_view()
+        pending = self._pending_view(weights.paused_adapters)
         completions, self._completions = self._completions, []
         self._learned_through = self._last_completion_id  # (what was read is handed over now)
         if not any(pending.values()) and not completions:

@@ -16,6 +16,13 @@ as fresh.
 
 The calls are plans (broker/plans.py): both clients run them.
 
+An adapter-only update (`pause_adapter(name)`, new weights registered with
+`register_adapter(name, path)`, `resume_adapter(name)`) pauses only what serves that LoRA
+adapter: the broker holds the adapter's pending sessions, every worker holds the adapter's new
+requests, and a worker whose engine has the adapter loaded pauses that engine (vLLM pauses a
+whole engine) and, on the resume, loads the new weights in place before it resumes. Engines
+without the adapter, and the other adapters' sessions elsewhere, run on throughout.
+
 State lives in the namespace's `weights` hash and `control` stream (written together by
 `lua/weights.lua`); acknowledgements in `paused_acks` (backend -> pause epoch), each announced
 on the `paused_events` stream that `pause` blocks on.
@@ -25,10 +32,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from broker.keys import Keys
 from broker.plans import Cmd, Plan, batch, cmd, script
+from broker.session import check_adapter_name
 from broker.streams import as_text
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -42,15 +50,22 @@ class WeightsState:
     version: int | None  # the policy version the engines serve (None: never resumed on one)
     control_id: str  # the latest control-stream entry ('0' before any)
     max_staleness: int | None = None  # the staleness bound (None: unbounded)
+    # LoRA adapters paused for an adapter-only update: name -> (mode, epoch)
+    paused_adapters: Mapping[str, tuple[str, int]] = field(default_factory=dict)
 
     @classmethod
     def from_hash(cls, fields: Mapping) -> WeightsState:
         f = {as_text(k): as_text(v) for k, v in fields.items()}
         version, bound = f.get("version"), f.get("max_staleness")
+        adapters = {}
+        for k, v in f.items():
+            if k.startswith("adapter_pause:"):
+                mode, _, epoch = v.partition(" ")
+                adapters[k[len("adapter_pause:"):]] = (mode, int(epoch or 0))
         return cls(paused=f.get("paused", ""), epoch=int(f.get("epoch") or 0),
                    version=int(version) if version else None,
                    control_id=f.get("control_id") or "0",
-                   max_staleness=int(bound) if bound else None)
+                   max_staleness=int(bound) if bound else None, paused_adapters=adapters)
 
     def is_stale(self, oldest_version: int) -> bool:
         """Whether data of `oldest_version` is more than the bound behind the version served."""
@@ -98,6 +113,31 @@ def order_pause(keys: Keys, mode: str) -> Plan[int]:
     check_mode(mode)
     return int((yield script("weights", [keys.weights, keys.control, keys.events],
                              ["pause", mode])))
+
+
+def order_pause_adapter(keys: Keys, name: str, mode: str) -> Plan[int]:
+    """Record a pause of LoRA adapter `name` (registered in the namespace) and tell the
+    workers; returns its epoch (the one in force if it is paused already)."""
+    check_mode(mode)
+    try:
+        check_adapter_name(name)
+    except ValueError as exc:
+        raise ValueError(f"adapter: {exc}") from None
+    if (yield cmd("hget", keys.adapters, name)) is None:
+        raise ValueError(f"adapter: {name!r} is not registered in this namespace; register it "
+                         "with RolloutClient.register_adapter(name, path)")
+    return int((yield script("weights", [keys.weights, keys.control, keys.events],
+                             ["pause_adapter", mode, name])))
+
+
+def order_resume_adapter(keys: Keys, name: str) -> Plan[bool]:
+    """End adapter `name`'s pause; False when it was not paused."""
+    try:
+        check_adapter_name(name)
+    except ValueError as exc:
+        raise ValueError(f"adapter: {exc}") from None
+    return bool(int((yield script("weights", [keys.weights, keys.control, keys.events],
+                                  ["resume_adapter", name]))))
 
 
 def order_resume(keys: Keys, version: int) -> Plan[int]:

@@ -96,6 +96,22 @@ class AdapterLoader:
         self.engine = engine
         self.scope = scope
         self.timeout_s = timeout_s
+        self._open: dict[str, asyncio.Event] = {}  # adapter -> set while not paused
+
+    def pause(self, name: str) -> None:
+        """An adapter-only weight update of `name` (broker/weights.py): sessions that start
+        from now on wait in `acquire` until `resume`."""
+        self._open.setdefault(name, asyncio.Event()).clear()
+
+    def resume(self, name: str) -> None:
+        event = self._open.pop(name, None)
+        if event is not None:
+            event.set()
+
+    def serves(self, name: str) -> bool:
+        """Whether the engine has `name` loaded, or a running session uses it."""
+        e = self.engine_name(name)
+        return e in self.engine.loaded or self.engine.held(e)
 
     def engine_name(self, name: str) -> str:
         """The name the engine knows adapter `name` by (what requests give as `model`)."""
@@ -113,7 +129,10 @@ class AdapterLoader:
 
     async def acquire(self, name: str) -> None:
         """Make sure the engine has `name` at its registered version, and hold it loaded
-        until `release`. Raises AdapterError naming the adapter."""
+        until `release` (first waiting out a pause of `name`). Raises AdapterError naming the
+        adapter."""
+        while (paused := self._open.get(name)) is not None:
+            await paused.wait()
         self.engine.hold(self.engine_name(name))
         try:
             await self._ensure(name)
@@ -123,6 +142,15 @@ class AdapterLoader:
 
     def release(self, name: str) -> None:
         self.engine.release(self.engine_name(name))
+
+    async def refresh(self, name: str) -> None:
+        """Load `name`'s registered weights now if the engine has another version (a paused
+        adapter's new weights, before its engine resumes)."""
+        self.engine.hold(self.engine_name(name))
+        try:
+            await self._ensure(name)
+        finally:
+            self.release(name)
 
     def forget(self, name: str) -> None:
         """The engine no longer has `name` (it answered 404 for it: restarted); load it again

@@ -161,6 +161,8 @@ class Worker:
             tenancy.join(settings.namespace, self._holdings)
         self._engine_adapters = engine_adapters
         self.draining = False  # stopping: its beats say so, and the broker admits nothing more
+        self._namespace_paused = False  # a weight update of the namespace holds the engine
+        self._engine_paused_for: set[str] = set()  # adapters whose update holds the engine
         self._outage = Outage(f"worker {settings.backend_id}", log)
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="redis")
         self._running: dict[str, tuple[asyncio.Task, Progress]] = {}
@@ -250,7 +252,10 @@ class Worker:
                                    weights=self.weights, adapters=self.adapters)
             await self._scrape_once(http)
             await self._label_weights(http, weights.version)
+            for name in weights.paused_adapters if self.adapters is not None else ():
+                self.adapters.pause(name)  # (not loaded here yet: the engine runs on)
             if weights.paused:  # started during a weight update: join it
+                self._namespace_paused = True
                 await self._pause_engine(http, weights.paused, weights.epoch)
             else:  # an engine a stopped worker left paused (its hook failed) serves again
                 await self._resume_if_paused(http)
@@ -295,14 +300,54 @@ class Worker:
                 continue
             for entry_id, fields in entries:
                 after = entry_id
-                if fields.get("op") == "pause":
+                if fields.get("adapter"):  # an adapter-only weight update
+                    await self._adapter_order(http, fields)
+                elif fields.get("op") == "pause":
+                    self._namespace_paused = True
                     await self._pause_engine(http, fields.get("mode", "keep"),
                                              int(fields.get("epoch", 0)))
                 elif fields.get("op") == "resume":
+                    self._namespace_paused = False
                     await self._resume_engine(http, int(fields.get("version", 0)))
                 elif (fields.get("op") == "cancel"
                       and fields.get("backend") == self.settings.backend_id):
                     self._stop_cancelled(fields.get("session", ""))
+
+    async def _adapter_order(self, http: httpx.AsyncClient, fields: dict[str, str]) -> None:
+        """Pause or resume what serves one LoRA adapter (broker/weights.py). A pause holds the
+        adapter's next sessions here and, where the engine has the adapter loaded (and serves
+        this namespace alone), pauses the engine; the resume loads the adapter's registered
+        weights in place while the engine is still paused, then resumes it unless another
+        pause holds it."""
+        name, s = fields["adapter"], self.settings
+        if fields.get("op") == "pause":
+            epoch = int(fields.get("epoch", 0))
+            if self.adapters is None:  # LoRA off: nothing of it runs here
+                await self._redis_until_ok(self.link.ack_paused, epoch)
+                return
+            self.adapters.pause(name)
+            if self.tenancy is None and self.adapters.serves(name):
+                self._engine_paused_for.add(name)
+                await self._pause_engine(http, fields.get("mode", "keep"), epoch)
+            else:
+                await self._redis_until_ok(self.link.ack_paused, epoch)
+            log.info("worker %s: adapter %s paused (pause %d%s)", s.backend_id, name, epoch,
+                     ", engine paused" if name in self._engine_paused_for else "")
+            return
+        if self.adapters is None:
+            return
+        if name in self._engine_paused_for:
+            self._engine_paused_for.discard(name)
+            try:  # its new weights, before anything generates on the engine again
+                await self.adapters.refresh(name)
+            except Exception as exc:  # the session that needs it reports it
+                log.warning("worker %s: adapter %s: loading its new weights failed (%s)",
+                            s.backend_id, name, describe_error(exc))
+            if not self._engine_paused_for and not self._namespace_paused:
+                await self._engine_call(http, "/resume", {})
+                self.weights.resume(self.weights.version)
+        self.adapters.resume(name)
+        log.info("worker %s: adapter %s resumed", s.backend_id, name)
 
     def _stop_cancelled(self, session_id: str) -> None:
         """The trainer cancelled a session running here: stop its task. Its HTTP request to
@@ -341,6 +386,9 @@ class Worker:
         if version != self.weights.version and not await self._load_weights(version):
             return  # the engine stays paused; the worker hands its sessions back and stops
         await self._label_weights(http, version)
+        if self._engine_paused_for:  # an adapter's update still holds the engine
+            self.weights.version = version
+            return
         await self._engine_call(http, "/resume", {})
         self.weights.resume(version)
         log.info("worker %s: engine resumed on policy version %d", self.settings.backend_id,

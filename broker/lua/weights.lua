@@ -1,9 +1,14 @@
 -- weights: the trainer pauses generation for a weight update, or resumes on new weights.
 -- KEYS[1] = rb:{ns}:weights   KEYS[2] = rb:{ns}:control   KEYS[3] = rb:{ns}:events
--- ARGV[1] = 'pause' | 'resume' | 'staleness'   ARGV[2] = the pause mode (abort|wait|keep), the
--- new policy version (resume), or the staleness bound ('' for none)
--- Returns the pause epoch (pause; a pause while paused returns the epoch in force and changes
--- nothing, as vLLM's does), the version now current (resume), or 1 (staleness).
+-- ARGV[1] = 'pause' | 'resume' | 'staleness' | 'pause_adapter' | 'resume_adapter'
+-- ARGV[2] = the pause mode (abort|wait|keep), the new policy version (resume), the staleness
+-- bound ('' for none), or the adapter's name (resume_adapter)   ARGV[3] = the adapter's name
+-- (pause_adapter)
+-- Returns the pause epoch (pause, pause_adapter; a pause while paused returns the epoch in
+-- force and changes nothing, as vLLM's does), the version now current (resume), 1 (staleness),
+-- or 1 / 0 (resume_adapter: whether the adapter was paused).
+-- An adapter's pause is the field `adapter_pause:<name>` = '<mode> <epoch>' (pauses share the
+-- epoch counter, so a worker's acknowledgements only grow).
 -- Invariant: the weights hash and the control stream every worker follows move together: a
 -- worker that reads the stream from the hash's `control_id` on sees every later change.
 if ARGV[1] == 'pause' then
@@ -18,6 +23,31 @@ if ARGV[1] == 'pause' then
   redis.call('HSET', KEYS[1], 'control_id', id)
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'kind', 'pause', 'backend', '')
   return epoch
+end
+if ARGV[1] == 'pause_adapter' then
+  local field = 'adapter_pause:' .. ARGV[3]
+  local held = redis.call('HGET', KEYS[1], field)
+  if held then
+    return tonumber(string.match(held, '%d+$'))
+  end
+  local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+  redis.call('HSET', KEYS[1], field, ARGV[2] .. ' ' .. epoch)
+  local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', '1000', '*', 'op', 'pause',
+                        'mode', ARGV[2], 'epoch', epoch, 'adapter', ARGV[3])
+  redis.call('HSET', KEYS[1], 'control_id', id)
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'kind', 'pause', 'backend', '')
+  return epoch
+end
+if ARGV[1] == 'resume_adapter' then
+  local field = 'adapter_pause:' .. ARGV[2]
+  if redis.call('HDEL', KEYS[1], field) == 0 then
+    return 0
+  end
+  local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', '1000', '*', 'op', 'resume',
+                        'adapter', ARGV[2])
+  redis.call('HSET', KEYS[1], 'control_id', id)
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'kind', 'resume', 'backend', '')
+  return 1
 end
 if ARGV[1] == 'staleness' then
   redis.call('HSET', KEYS[1], 'max_staleness', ARGV[2])
