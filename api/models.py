@@ -90,6 +90,8 @@ class WeightsPublic(BaseModel):
     version: int | None  # the policy version the engines serve; null before any resume
     max_staleness: int | None = None  # the staleness bound; null: none
     paused_backends: list[str] = Field(default_factory=list)  # engines paused by this call
+    # LoRA adapters paused for an adapter-only update -> the pause mode
+    paused_adapters: dict[str, str] = Field(default_factory=dict)
 
 
 # -- status --------------------------------------------------------------------------------------

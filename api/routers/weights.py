@@ -20,7 +20,9 @@ _ERRORS = {400: {"model": ErrorPublic}, 401: {"model": ErrorPublic},
 def _public(state: WeightsState, paused_backends: list[str] | None = None) -> WeightsPublic:
     return WeightsPublic(paused=state.paused, version=state.version,
                          max_staleness=state.max_staleness,
-                         paused_backends=paused_backends or [])
+                         paused_backends=paused_backends or [],
+                         paused_adapters={a: mode for a, (mode, _) in
+                                          state.paused_adapters.items()})
 
 
 @router.get("", response_model=WeightsPublic)
@@ -47,6 +49,32 @@ def resume(body: ResumeIn, client: ClientDep) -> WeightsPublic:
     """Resume the engines on policy `version`; admission restarts."""
     try:
         client.resume(body.version)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+    return _public(client.weights())
+
+
+@router.post("/adapters/{name}/pause", response_model=WeightsPublic, dependencies=[AuthDep],
+             responses={**_ERRORS, 409: {"model": ErrorPublic}})
+def pause_adapter(name: str, body: PauseIn, client: ClientDep) -> WeightsPublic:
+    """Pause what serves LoRA adapter `name` for an adapter-only update: its sessions wait,
+    the engines that have it loaded pause with `mode`; answers once every live worker has
+    acknowledged (409 as for a pause)."""
+    try:
+        backends = client.pause_adapter(name, body.mode, body.timeout_s)
+    except TimeoutError as exc:
+        raise ApiError(409, "timeout_s", str(exc).partition(": ")[2] or str(exc)) from None
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+    return _public(client.weights(), backends)
+
+
+@router.post("/adapters/{name}/resume", response_model=WeightsPublic, dependencies=[AuthDep],
+             responses=_ERRORS)
+def resume_adapter(name: str, client: ClientDep) -> WeightsPublic:
+    """End adapter `name`'s pause: its engines load its registered weights and resume."""
+    try:
+        client.resume_adapter(name)
     except ValueError as exc:
         raise from_value_error(exc) from None
     return _public(client.weights())

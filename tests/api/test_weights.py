@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 
 
 def test_pause_then_resume_records_the_mode_and_the_new_version(api):
-    none = {"max_staleness": None, "paused_backends": []}
+    none = {"max_staleness": None, "paused_backends": [], "paused_adapters": {}}
     assert api.get("/v1/weights").json() == {"paused": "", "version": None, **none}
     r = api.post("/v1/weights/pause", json={"mode": "abort"})
     assert r.status_code == 200, r.text
@@ -55,3 +55,23 @@ def test_bad_bodies_name_the_field(api, path, body, field):
     call = api.put if path.endswith("staleness") else api.post
     r = call(path, json=body)
     assert r.status_code == 422 and r.json()["field"] == field
+
+
+def test_an_adapter_pause_and_resume_over_http(api, redis_url, namespace):
+    from broker.client import RolloutClient
+
+    r = api.post("/v1/weights/adapters/x/pause", json={"mode": "abort"})
+    assert r.status_code == 422 and r.json()["field"] == "adapter", r.text  # not registered
+    client = RolloutClient(redis_url, namespace)
+    try:
+        client.register_adapter("x", "/ckpt/x")
+    finally:
+        client.close()
+    r = api.post("/v1/weights/adapters/x/pause", json={"mode": "abort"})
+    assert r.status_code == 200, r.text
+    assert r.json()["paused_adapters"] == {"x": "abort"} and r.json()["paused"] == ""
+    assert api.get("/v1/weights").json()["paused_adapters"] == {"x": "abort"}
+    r = api.post("/v1/weights/adapters/x/resume")
+    assert r.status_code == 200 and r.json()["paused_adapters"] == {}
+    r = api.post("/v1/weights/adapters/a%20b/resume")
+    assert r.status_code == 422 and r.json()["field"] == "adapter"
