@@ -34,7 +34,7 @@ from workers.engine import (
 from workers.adapters import EngineAdapters
 from workers.tenancy import EngineTenancy
 from workers.tools import load_registry, make_executor, tools_redis_url
-from workers.worker import Worker, WorkerSettings, load_weights_hook
+from workers.worker import SHARED_ENGINE_HOOK, Worker, WorkerSettings, load_weights_hook
 
 log = logging.getLogger("rollout_broker.worker")
 
@@ -125,9 +125,7 @@ def run_worker(settings: WorkerSettings, engine: EngineOptions, tools: ToolOptio
                 check_gpu_count(spec.args, os.environ)
         hook = load_weights_hook(engine.weights_hook)
         if hook is not None and tenancy.shared:
-            raise ValueError("weights_hook: an engine several namespaces share serves one set "
-                             "of weights; jobs sharing it train LoRA adapters (register new "
-                             "adapter weights with RolloutClient.register_adapter) instead")
+            raise ValueError(SHARED_ENGINE_HOOK)
         if tools.kind not in ("inline", "rq"):
             raise ValueError(f"tools: {tools.kind!r} must be 'inline' or 'rq'")
         # With rq the tool workers' registry is the one that counts; theirs is loaded there.

@@ -97,6 +97,11 @@ def load_weights_hook(target: str | None) -> WeightsHook | None:
     return import_callable(target, "weights-hook")
 
 
+SHARED_ENGINE_HOOK = ("weights_hook: an engine several namespaces share serves one set of "
+                      "weights; jobs sharing it train LoRA adapters (register new adapter "
+                      "weights with RolloutClient.register_adapter) instead")
+
+
 @dataclass(slots=True)
 class WorkerSettings:
     backend_id: str
@@ -154,8 +159,7 @@ class Worker:
         if tenancy is not None and not tenancy.shared:
             tenancy = None
         if tenancy is not None and weights_hook is not None:
-            raise ValueError("weights_hook: an engine several namespaces share serves one set "
-                             "of weights; jobs sharing it train LoRA adapters instead")
+            raise ValueError(SHARED_ENGINE_HOOK)
         self.tenancy = tenancy
         if tenancy is not None:
             tenancy.join(settings.namespace, self._holdings)
@@ -389,7 +393,8 @@ class Worker:
         if self._engine_paused_for:  # an adapter's update still holds the engine
             self.weights.version = version
             return
-        await self._engine_call(http, "/resume", {})
+        if self.tenancy is None:  # (a shared engine was never paused for this namespace)
+            await self._engine_call(http, "/resume", {})
         self.weights.resume(version)
         log.info("worker %s: engine resumed on policy version %d", self.settings.backend_id,
                  version)
