@@ -20,7 +20,9 @@ Asyncio tasks around one `WorkerLink` and one shared `httpx.AsyncClient`, and on
   tokens of every reply, so each output span carries the version that made it, even inside a
   request a `keep` pause froze across the update. A session whose request the pause aborted
   goes on from what it had generated once generation resumes (workers/runner.py). A session
-  the trainer cancels while it runs here is stopped, and with it its engine request;
+  the trainer cancels while it runs here is stopped, and with it its engine request. An
+  adapter-only update (`pause_adapter`/`resume_adapter`) holds that adapter's next sessions
+  and pauses the engine only where the adapter is loaded (`_adapter_order`);
 - finish: publishes finished sessions in batches (`finish_many`: result + ledger release + ack),
   retrying a batch until Redis takes it. A session the engine could not serve (a broken
   connection, a timeout, 5xx after the retries) is handed back to be run again, an attempt
