@@ -6,9 +6,10 @@ on every engine. A is guaranteed 30% of each engine and B 70% (broker/shares.py)
 
 Measured from the workers' own heartbeats (the context tokens each job's sessions hold on each
 engine, sampled every 0.1 s):
-- A alone takes far more than its 30% (it borrows B's idle share);
-- once both are queued, each holds at least its guarantee of the KV in use, B's share
-  growing back as A's borrowed sessions end;
+- A alone may plan against the whole fleet (it borrows B's idle share) and holds more than it
+  does beside B;
+- once both are queued, each may plan against its guaranteed share of every engine and holds
+  about that share of the KV in use, B's growing back as A's borrowed sessions end;
 - every session runs on an engine serving its model and adapter, once."""
 
 from __future__ import annotations
@@ -155,14 +156,20 @@ def test_two_jobs_share_four_workers_by_their_guaranteed_shares(redis_url, redis
               "b_while_a_alone": alone["b"],
               "both_a_of_used": round(both["a"] / (both["a"] + both["b"]), 3),
               "both_b_of_used": round(both["b"] / (both["a"] + both["b"]), 3),
-              "both_used_of_capacity": round((both["a"] + both["b"]) / capacity, 3)}
+              "both_used_of_capacity": round((both["a"] + both["b"]) / capacity, 3),
+              "both_a_part": round(both["a_part"] / capacity, 3),
+              "both_b_part": round(both["b_part"] / capacity, 3)}
     print("shares:", report, "queued after the window:", queued)
     assert all(queued.values()), f"a queue ran dry inside the window: {queued}"
-    # A alone borrows B's idle share: more than its own 30%, and than it holds beside B.
-    assert alone["b"] == 0 and alone["a_part"] >= 0.98 * capacity, report  # B idle: all
-    assert alone["a"] / capacity > SHARES["a"] and alone["a"] > 1.5 * both["a"], report
-    # Both queued: each holds at least its guarantee of the KV in use.
+    # A alone may plan against the whole fleet (B's share is lent), and holds more than it
+    # does beside B. (How much of its part it fills is MISA-T's α loop: 0.33-0.70 of the
+    # fleet's KV in the runs measured, docs/fleet.md.)
+    assert alone["b"] == 0 and alone["a_part"] >= 0.98 * capacity, report
+    assert alone["a"] > 1.5 * both["a"], report
+    # Both queued: each may plan against its guaranteed share of the fleet, and holds about
+    # that share of the KV in use.
     for job in SHARES:
+        assert both[f"{job}_part"] / capacity >= SHARES[job] - 0.05, report
         assert report[f"both_{job}_of_used"] >= SHARES[job] - TOLERANCE, report
     # Every session ran once, on an engine serving its model and adapter.
     for job, batch in (("a", a_batch), ("b", b_batch)):
