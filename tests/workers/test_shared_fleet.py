@@ -18,8 +18,12 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 
 import pytest
+import redis
 
 from broker.client import RolloutClient
 from broker.policies import make_policy
@@ -86,22 +90,43 @@ class KvSampler:
         return {key: sum(h[key] for h in window) / len(window) for key in window[0]}
 
 
-def test_two_jobs_share_four_workers_by_their_guaranteed_shares(redis_url, redis_client):
+@dataclass
+class TwoJobFleet:
+    namespaces: dict[str, str]  # job -> namespace
+    clients: dict[str, RolloutClient]
+    sampler: KvSampler
+    redis: redis.Redis
+
+    def wait_for_waiting(self, job: str) -> None:
+        """Until `job`'s broker has read its queue and says it waits on some engine."""
+        assert wait_until(lambda: any(self.redis.hget(
+            f"rb:{{{self.namespaces[job]}}}:ledger:{b}", "waiting_at") for b in ENGINES),
+            timeout=30)
+
+    def queued(self) -> dict[str, int]:
+        return {job: sum(c.status()["pending"].values()) for job, c in self.clients.items()}
+
+
+@contextmanager
+def two_job_fleet(redis_url: str, prefix: str = "share") -> Iterator[TwoJobFleet]:
+    """The fleet above, running: four engines, four workers serving both jobs, a MISA-T broker
+    per job, the jobs' adapters registered, the sampler started (benchmarks/shared_fleet.py
+    runs it too)."""
     tag = uuid.uuid4().hex[:8]
-    namespaces = {job: f"share-{job}-{tag}" for job in SHARES}
+    namespaces = {job: f"{prefix}-{job}-{tag}" for job in SHARES}
     tenants = {namespaces[job]: share for job, share in SHARES.items()}
-    with running_engine(time_scale=10.0, kv_tokens=KV, model_name="m-a", max_loras=2) as e1, \
-            running_engine(time_scale=10.0, kv_tokens=KV, model_name="m-a", max_loras=2) as e2, \
-            running_engine(time_scale=10.0, kv_tokens=KV, model_name="m-b", max_loras=2) as e3, \
-            running_engine(time_scale=10.0, kv_tokens=KV, model_name="m-b", max_loras=2) as e4:
-        engines = dict(zip(ENGINES, (e1, e2, e3, e4)))
+    with ExitStack() as stack:
+        engines = {b: stack.enter_context(running_engine(time_scale=10.0, kv_tokens=KV,
+                                                         model_name=model, max_loras=2))
+                   for b, model in ENGINES.items()}
         workers = [WorkerThread(redis_url, namespaces["a"], b, e.url, time_scale=10.0,
                                 tenants=tenants).start() for b, e in engines.items()]
         # (a lease of 10 s: two brokers, four engines and eight workers share this process)
         brokers = [BrokerThread(redis_url, ns, make_policy("misa_t"), lease_s=10.0).start()
                    for ns in namespaces.values()]
         clients = {job: RolloutClient(redis_url, ns) for job, ns in namespaces.items()}
-        sampler = KvSampler(redis_client, namespaces).start()
+        client = redis.Redis.from_url(redis_url)
+        sampler = KvSampler(client, namespaces).start()
         try:
             for c in clients.values():
                 assert wait_until(lambda c=c: all(
@@ -110,39 +135,7 @@ def test_two_jobs_share_four_workers_by_their_guaranteed_shares(redis_url, redis
             clients["a"].register_adapter("a1", "/adapters/a1")
             clients["a"].register_adapter("a2", "/adapters/a2")
             clients["b"].register_adapter("b1", "/adapters/b1")
-            # A job may not name the other's adapter: each registry is its own.
-            with pytest.raises(ValueError, match=r"adapter: 'a1' is not registered"):
-                clients["b"].enqueue([Session(session_id="x", workload="rlvr", model="m-a",
-                                              adapter="a1", prompt_token_ids=[1, 2, 3],
-                                              max_tokens=8)])
-
-            # (enough that A still has sessions queued when the contended window ends)
-            a_batch, b_batch = jobs_sessions("a", 480), jobs_sessions("b", 560)
-            clients["a"].enqueue(a_batch)
-            t0 = time.monotonic()
-            time.sleep(6.0)
-            alone = sampler.mean(t0 + 2.0, time.monotonic())
-            clients["b"].enqueue(b_batch)
-            # Contention starts when B's broker has read its queue and says it waits (seconds
-            # after the enqueue, in this busy process); B's share comes back as A's borrowed
-            # sessions end (1.5-3 s each here).
-            assert wait_until(lambda: any(redis_client.hget(
-                f"rb:{{{namespaces['b']}}}:ledger:{b}", "waiting_at") for b in ENGINES),
-                timeout=30)
-            t1 = time.monotonic()
-            time.sleep(15.0)
-            both = sampler.mean(t1 + 5.0, time.monotonic())
-            queued = {job: sum(c.status()["pending"].values()) for job, c in clients.items()}
-
-            got = {job: [] for job in clients}
-            want = {"a": len(a_batch), "b": len(b_batch)}
-
-            def collected() -> bool:
-                for job, c in clients.items():
-                    got[job] += c.results(500, timeout=0.2)
-                return all(len(got[job]) >= want[job] for job in clients)
-
-            assert wait_until(collected, timeout=150, every=0)
+            yield TwoJobFleet(namespaces, clients, sampler, client)
         finally:
             sampler.stop()
             for br in brokers:
@@ -151,6 +144,46 @@ def test_two_jobs_share_four_workers_by_their_guaranteed_shares(redis_url, redis
                 w.stop()
             for c in clients.values():
                 c.close()
+            for ns in namespaces.values():
+                for key in client.scan_iter(match=f"rb:{{{ns}}}:*", count=1000):
+                    client.delete(key)
+            client.close()
+
+
+def test_two_jobs_share_four_workers_by_their_guaranteed_shares(redis_url):
+    with two_job_fleet(redis_url) as fleet:
+        clients, sampler = fleet.clients, fleet.sampler
+        # A job may not name the other's adapter: each registry is its own.
+        with pytest.raises(ValueError, match=r"adapter: 'a1' is not registered"):
+            clients["b"].enqueue([Session(session_id="x", workload="rlvr", model="m-a",
+                                          adapter="a1", prompt_token_ids=[1, 2, 3],
+                                          max_tokens=8)])
+
+        # (enough that A still has sessions queued when the contended window ends)
+        a_batch, b_batch = jobs_sessions("a", 480), jobs_sessions("b", 560)
+        clients["a"].enqueue(a_batch)
+        t0 = time.monotonic()
+        time.sleep(6.0)
+        alone = sampler.mean(t0 + 2.0, time.monotonic())
+        clients["b"].enqueue(b_batch)
+        # Contention starts when B's broker has read its queue and says it waits (seconds
+        # after the enqueue, in this busy process); B's share comes back as A's borrowed
+        # sessions end (1.5-3 s each here).
+        fleet.wait_for_waiting("b")
+        t1 = time.monotonic()
+        time.sleep(15.0)
+        both = sampler.mean(t1 + 5.0, time.monotonic())
+        queued = fleet.queued()
+
+        got = {job: [] for job in clients}
+        want = {"a": len(a_batch), "b": len(b_batch)}
+
+        def collected() -> bool:
+            for job, c in clients.items():
+                got[job] += c.results(500, timeout=0.2)
+            return all(len(got[job]) >= want[job] for job in clients)
+
+        assert wait_until(collected, timeout=150, every=0)
     capacity = KV * len(ENGINES)
     report = {"a_alone_of_capacity": round(alone["a"] / capacity, 3),
               "b_while_a_alone": alone["b"],
@@ -162,8 +195,8 @@ def test_two_jobs_share_four_workers_by_their_guaranteed_shares(redis_url, redis
     print("shares:", report, "queued after the window:", queued)
     assert all(queued.values()), f"a queue ran dry inside the window: {queued}"
     # A alone may plan against the whole fleet (B's share is lent), and holds more than it
-    # does beside B. (How much of its part it fills is MISA-T's α loop: 0.33-0.70 of the
-    # fleet's KV in the runs measured, docs/fleet.md.)
+    # does beside B. (How much of its part it fills is MISA-T's α loop: 0.30-0.70 of the
+    # fleet's KV in the runs measured: docs/results/fleet.md.)
     assert alone["b"] == 0 and alone["a_part"] >= 0.98 * capacity, report
     assert alone["a"] > 1.5 * both["a"], report
     # Both queued: each may plan against its guaranteed share of the fleet, and holds about
