@@ -83,9 +83,9 @@ def _backend(b: str, ledger_flat, n_sessions: int, metrics, added: int,
     m = at = part = None
     if isinstance(metrics, dict):
         at = metrics.pop("at", None)
+        raw_part = metrics.pop("shared", None)  # (on an engine namespaces share)
         try:
-            part = SharedPart.model_validate(metrics.pop("shared", None) or {}) \
-                if "shared" in metrics else None
+            part = SharedPart.model_validate(raw_part) if raw_part is not None else None
         except ValidationError:
             part = None
         try:

@@ -26,10 +26,7 @@ class AdapterRecord:
 
 
 def check_adapter(name: str, path: str) -> None:
-    try:
-        check_adapter_name(name)
-    except ValueError as exc:
-        raise ValueError(f"name: {exc}") from None
+    check_adapter_name(name, "name")
     if not isinstance(path, str) or not path.strip():
         raise ValueError("path: give the adapter's directory (PEFT's adapter_config.json and "
                          "weights) as the engines see it")

@@ -33,11 +33,12 @@ WORKLOAD_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # workload names
 REGISTRY_KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 MODEL_RE = re.compile(r"^[!-~]{1,256}$")  # a served model's name: a path or hub id, no spaces
 
-def check_adapter_name(name: object) -> None:
-    """ValueError unless `name` can name a LoRA adapter (a registry key, as tools are)."""
+def check_adapter_name(name: object, field: str | None = None) -> None:
+    """ValueError unless `name` can name a LoRA adapter (a registry key, as tools are); the
+    message starts with `field: ` when given."""
     if not isinstance(name, str) or not REGISTRY_KEY_RE.match(name):
-        raise ValueError(f"{name!r} is not an adapter name (1-64 letters, digits, '_', '.' "
-                         "or '-')")
+        raise ValueError(f"{field + ': ' if field else ''}{name!r} is not an adapter name "
+                         "(1-64 letters, digits, '_', '.' or '-')")
 
 
 # Strict scalars: JSON `true` is not a token id, `"10"` is not a number of tokens, and NaN or

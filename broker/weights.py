@@ -119,10 +119,7 @@ def order_pause_adapter(keys: Keys, name: str, mode: str) -> Plan[int]:
     """Record a pause of LoRA adapter `name` (registered in the namespace) and tell the
     workers; returns its epoch (the one in force if it is paused already)."""
     check_mode(mode)
-    try:
-        check_adapter_name(name)
-    except ValueError as exc:
-        raise ValueError(f"adapter: {exc}") from None
+    check_adapter_name(name, "adapter")
     if (yield cmd("hget", keys.adapters, name)) is None:
         raise ValueError(f"adapter: {name!r} is not registered in this namespace; register it "
                          "with RolloutClient.register_adapter(name, path)")
@@ -132,10 +129,7 @@ def order_pause_adapter(keys: Keys, name: str, mode: str) -> Plan[int]:
 
 def order_resume_adapter(keys: Keys, name: str) -> Plan[bool]:
     """End adapter `name`'s pause; False when it was not paused."""
-    try:
-        check_adapter_name(name)
-    except ValueError as exc:
-        raise ValueError(f"adapter: {exc}") from None
+    check_adapter_name(name, "adapter")
     return bool(int((yield script("weights", [keys.weights, keys.control, keys.events],
                                   ["resume_adapter", name]))))
 

@@ -11,6 +11,15 @@
 -- epoch counter, so a worker's acknowledgements only grow).
 -- Invariant: the weights hash and the control stream every worker follows move together: a
 -- worker that reads the stream from the hash's `control_id` on sees every later change.
+
+-- An order for the workers (`op` and its fields) on the control stream, its id in the hash,
+-- and an event of `kind` for the broker.
+local function order(kind, ...)
+  local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', '1000', '*', 'op', kind, ...)
+  redis.call('HSET', KEYS[1], 'control_id', id)
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'kind', kind, 'backend', '')
+end
+
 if ARGV[1] == 'pause' then
   local st = redis.call('HMGET', KEYS[1], 'paused', 'epoch')
   if st[1] and st[1] ~= '' then
@@ -18,10 +27,7 @@ if ARGV[1] == 'pause' then
   end
   local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
   redis.call('HSET', KEYS[1], 'paused', ARGV[2])
-  local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', '1000', '*', 'op', 'pause',
-                        'mode', ARGV[2], 'epoch', epoch)
-  redis.call('HSET', KEYS[1], 'control_id', id)
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'kind', 'pause', 'backend', '')
+  order('pause', 'mode', ARGV[2], 'epoch', epoch)
   return epoch
 end
 if ARGV[1] == 'pause_adapter' then
@@ -32,10 +38,7 @@ if ARGV[1] == 'pause_adapter' then
   end
   local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
   redis.call('HSET', KEYS[1], field, ARGV[2] .. ' ' .. epoch)
-  local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', '1000', '*', 'op', 'pause',
-                        'mode', ARGV[2], 'epoch', epoch, 'adapter', ARGV[3])
-  redis.call('HSET', KEYS[1], 'control_id', id)
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'kind', 'pause', 'backend', '')
+  order('pause', 'mode', ARGV[2], 'epoch', epoch, 'adapter', ARGV[3])
   return epoch
 end
 if ARGV[1] == 'resume_adapter' then
@@ -43,10 +46,7 @@ if ARGV[1] == 'resume_adapter' then
   if redis.call('HDEL', KEYS[1], field) == 0 then
     return 0
   end
-  local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', '1000', '*', 'op', 'resume',
-                        'adapter', ARGV[2])
-  redis.call('HSET', KEYS[1], 'control_id', id)
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'kind', 'resume', 'backend', '')
+  order('resume', 'adapter', ARGV[2])
   return 1
 end
 if ARGV[1] == 'staleness' then
@@ -56,8 +56,5 @@ if ARGV[1] == 'staleness' then
 end
 local epoch = redis.call('HGET', KEYS[1], 'epoch') or '0'
 redis.call('HSET', KEYS[1], 'paused', '', 'version', ARGV[2])
-local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', '1000', '*', 'op', 'resume',
-                      'version', ARGV[2], 'epoch', epoch)
-redis.call('HSET', KEYS[1], 'control_id', id)
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'kind', 'resume', 'backend', '')
+order('resume', 'version', ARGV[2], 'epoch', epoch)
 return tonumber(ARGV[2])
