@@ -1046,7 +1046,7 @@ class FleetSim:
         for b, engine in self.engines.items():
             if b in members.gone:
                 continue
-            st = engine.stats()
+            st = engine.stats(self.now)  # (a decode run in flight: the steps done by now)
             self.kv_samples.append(KvSample(at=self.now, engine_id=b, usage=st.kv_usage,
                                             preemptions_total=st.num_preemptions_total))
             if b in members.leaving:

@@ -546,10 +546,28 @@ class EngineCore:
         self._pending_aborts.clear()
 
     # -- observation ---------------------------------------------------------------------
-    def stats(self) -> EngineStats:
+    def stats(self, at: float | None = None) -> EngineStats:
+        """The engine's counters as of `at` (default: the driver's clock), as vLLM's /metrics
+        would report them then: a planned decode run's steps that have completed by `at` are
+        counted (their tokens and the blocks they took), although the run is applied to the
+        requests only when it ends or is cut."""
+        kv_usage = self.kv.pool.usage()
+        generated, steps, busy = self._generation_tokens, self._steps, self._busy
+        run = self._plan
+        if isinstance(run, _DecodeRun):
+            j = self.decoded_by(at)
+            # vLLM's scheduler gives a step its slots before it runs: the step in flight holds
+            # its new blocks already.
+            slots = min(j + 1, run.k)
+            taken = int(np.maximum(0, (run.tokens + (slots - 2)) // self.block_size + 1
+                                   - run.blocks).sum())
+            kv_usage = 1.0 - (self.kv.pool.num_free - taken) / (self.num_gpu_blocks - 1)
+            generated += j * len(run.reqs)
+            steps += j
+            busy += run.elapsed(j)
         return EngineStats(
             now=self.now,
-            kv_usage=self.kv.pool.usage(),
+            kv_usage=kv_usage,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self._arrivals),
             num_preemptions_total=self._preemptions,
@@ -558,13 +576,45 @@ class EngineCore:
             preempted_prefix_queries_total=self._p_queries,
             preempted_prefix_hits_total=self._p_hits,
             prompt_tokens_total=self._prompt_tokens,
-            generation_tokens_total=self._generation_tokens,
+            generation_tokens_total=generated,
             num_gpu_blocks=self.num_gpu_blocks,
             block_size=self.block_size,
             requests_finished_total=dict(self._finished_by_reason),
-            steps_total=self._steps,
-            busy_time=self._busy,
+            steps_total=steps,
+            busy_time=busy,
         )
+
+    def computed_tokens(self, at: float | None = None) -> dict[str, int]:
+        """The tokens each unfinished request has KV for as of `at` (default: the driver's
+        clock), the steps the decode run in flight has done by then included."""
+        held = {rid: r.num_computed_tokens for rid, r in list(self.requests.items())}
+        run = self._plan
+        j = self.decoded_by(at)
+        if j:
+            for r in run.reqs:
+                if r.request_id in held:
+                    held[r.request_id] += j
+        return held
+
+    def decoded_by(self, at: float | None = None) -> int:
+        """How many steps of the planned decode run have completed by `at` (default: the
+        driver's clock); every request in the run has that many more tokens, and the KV for
+        them, than its fields say until the run is applied. 0 outside a decode run."""
+        run = self._plan
+        at = self._clock if at is None else at
+        if not isinstance(run, _DecodeRun) or at <= run.start:
+            return 0
+        span = at - run.start
+        lo, hi = 0, run.k  # elapsed(lo) <= span; find the largest such lo
+        if run.elapsed(hi) <= span:
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if run.elapsed(mid) <= span:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def check_invariants(self) -> None:
         """Assert the cache and scheduler invariants (tests call this after every step)."""

@@ -393,3 +393,19 @@ def test_misa_t_runs_a_contended_fleet_about_as_full_as_the_router_and_preempts_
     assert router.kv_utilisation > 0.9 and router.preemptions > 0
     assert misa.kv_utilisation >= 0.85 * router.kv_utilisation
     assert misa.preemptions < 0.5 * router.preemptions
+
+
+def test_heartbeats_report_the_kv_an_engine_holds_as_it_decodes():
+    """One session at a time on the fleet: its engine decodes it as one long decode run (no
+    event until it finishes), and each heartbeat meanwhile reports the KV its steps so far
+    hold, as vLLM's /metrics do, not the KV it held when the run began."""
+    sim = _with({"telemetry": {"heartbeat_s": 0.5, "lag_s": 0.0}}, iterations=1)
+    sim.policy = Spy(limit=1)
+    sim.run()
+    by_engine: dict[str, list[float]] = {}
+    for s in sim.kv_samples:
+        by_engine.setdefault(s.engine_id, []).append(s.usage)
+    pairs = [(a, b) for usage in by_engine.values() for a, b in zip(usage, usage[1:])
+             if a > 0 and b > 0]
+    assert len(pairs) > 20
+    assert sum(b > a for a, b in pairs) > 0.5 * len(pairs)
