@@ -15,10 +15,11 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 
+from sim.engine.core import EngineCore
 from sim.server.app import EngineSettings, create_app
 
 
@@ -27,6 +28,9 @@ class RunningEngine:
     host: str
     port: int
     model_name: str
+    # The engine itself, for tests that read what it holds (its requests and their KV blocks)
+    # rather than what it reports; read-only from other threads.
+    core: EngineCore = field(compare=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -49,7 +53,8 @@ def running_engine(profile: str = "h100-8b", time_scale: float = 50.0,
                               journal=journal, max_loras=max_loras)
     app = create_app(settings)
     with serving(app, host, "sim-engine", startup_timeout_s) as port:
-        yield RunningEngine(host=host, port=port, model_name=app.state.sim.model_name)
+        yield RunningEngine(host=host, port=port, model_name=app.state.sim.model_name,
+                            core=app.state.sim.core)
 
 
 @contextmanager

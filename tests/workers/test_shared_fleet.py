@@ -4,8 +4,8 @@ Redis). Two engines serve model m-a and two m-b, every one with LoRA; A trains a
 a2 on m-a and also samples m-b, B trains b1 on m-b and also samples m-a, so both jobs contend
 on every engine. A is guaranteed 30% of each engine and B 70% (broker/shares.py).
 
-Measured from the workers' own heartbeats (the context tokens each job's sessions hold on each
-engine, sampled every 0.1 s):
+Measured every 0.1 s: the KV each job's requests hold, read from the engines themselves, and
+the part of each engine each job's heartbeats say it may plan against:
 - A alone may plan against the whole fleet (it borrows B's idle share) and holds more than it
   does beside B;
 - once both are queued, each may plan against its guaranteed share of every engine and holds
@@ -15,6 +15,7 @@ engine, sampled every 0.1 s):
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import uuid
@@ -28,7 +29,7 @@ import redis
 from broker.client import RolloutClient
 from broker.policies import make_policy
 from broker.session import Session, SessionState
-from sim.server.testing import running_engine
+from sim.server.testing import RunningEngine, running_engine
 from tests.broker.helpers import BrokerThread, wait_until
 from tests.workers.helpers import WorkerThread, prompt
 
@@ -53,27 +54,39 @@ def jobs_sessions(job: str, n: int) -> list[Session]:
     return out
 
 
-class KvSampler:
-    """Every 0.1 s: per namespace, the context tokens its sessions hold on the four engines,
-    from the workers' heartbeats in each namespace."""
+# The engine's id of a worker's request holds its session's: 'generate-token-a-12-t0-0-0'.
+_JOB_OF_REQUEST = re.compile(r"(?:^|-)([ab])-\d+-t\d+")
 
-    def __init__(self, redis_client, namespaces: dict[str, str]) -> None:
+
+class KvSampler:
+    """Every 0.1 s, per job: the KV its requests hold in the four engines (the tokens each
+    engine has computed for them, read from the engines themselves), and the part of the
+    engines its heartbeats say it may plan against."""
+
+    def __init__(self, redis_client, namespaces: dict[str, str],
+                 engines: dict[str, RunningEngine]) -> None:
         self.redis = redis_client
         self.namespaces = namespaces  # job -> namespace
+        self.engines = engines
         self.samples: list[tuple[float, dict[str, int]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
-            held = {}
+            held = {job: 0 for job in self.namespaces}
+            for e in self.engines.values():
+                # (the engine's thread may add a request meanwhile: read it next time)
+                try:
+                    computed = e.core.computed_tokens()
+                except RuntimeError:
+                    continue
+                for request_id, tokens in computed.items():
+                    held[_JOB_OF_REQUEST.search(request_id)[1]] += tokens
             for job, ns in self.namespaces.items():
                 beats = self.redis.mget([f"rb:{{{ns}}}:hb:{b}" for b in ENGINES])
                 beats = [json.loads(raw) for raw in beats if raw]
-                held[job] = sum(s["context_tokens"] for beat in beats for s in beat["sessions"])
-                # the KV the job may plan against: its parts of the engines
                 held[f"{job}_part"] = sum(beat["shared"]["capacity_tokens"] for beat in beats)
-
             self.samples.append((time.monotonic(), held))
 
     def start(self) -> KvSampler:
@@ -108,7 +121,8 @@ class TwoJobFleet:
 
 
 @contextmanager
-def two_job_fleet(redis_url: str, prefix: str = "share") -> Iterator[TwoJobFleet]:
+def two_job_fleet(redis_url: str, prefix: str = "share",
+                  time_scale: float = 10.0) -> Iterator[TwoJobFleet]:
     """The fleet above, running: four engines, four workers serving both jobs, a MISA-T broker
     per job, the jobs' adapters registered, the sampler started (benchmarks/shared_fleet.py
     runs it too)."""
@@ -116,17 +130,17 @@ def two_job_fleet(redis_url: str, prefix: str = "share") -> Iterator[TwoJobFleet
     namespaces = {job: f"{prefix}-{job}-{tag}" for job in SHARES}
     tenants = {namespaces[job]: share for job, share in SHARES.items()}
     with ExitStack() as stack:
-        engines = {b: stack.enter_context(running_engine(time_scale=10.0, kv_tokens=KV,
+        engines = {b: stack.enter_context(running_engine(time_scale=time_scale, kv_tokens=KV,
                                                          model_name=model, max_loras=2))
                    for b, model in ENGINES.items()}
-        workers = [WorkerThread(redis_url, namespaces["a"], b, e.url, time_scale=10.0,
+        workers = [WorkerThread(redis_url, namespaces["a"], b, e.url, time_scale=time_scale,
                                 tenants=tenants).start() for b, e in engines.items()]
         # (a lease of 10 s: two brokers, four engines and eight workers share this process)
         brokers = [BrokerThread(redis_url, ns, make_policy("misa_t"), lease_s=10.0).start()
                    for ns in namespaces.values()]
         clients = {job: RolloutClient(redis_url, ns) for job, ns in namespaces.items()}
         client = redis.Redis.from_url(redis_url)
-        sampler = KvSampler(client, namespaces).start()
+        sampler = KvSampler(client, namespaces, engines).start()
         try:
             for c in clients.values():
                 assert wait_until(lambda c=c: all(
@@ -195,8 +209,10 @@ def test_two_jobs_share_four_workers_by_their_guaranteed_shares(redis_url):
     print("shares:", report, "queued after the window:", queued)
     assert all(queued.values()), f"a queue ran dry inside the window: {queued}"
     # A alone may plan against the whole fleet (B's share is lent), and holds more than it
-    # does beside B. (How much of its part it fills is MISA-T's α loop: 0.30-0.70 of the
-    # fleet's KV in the runs measured: docs/results/fleet.md.)
+    # does beside B. (How much of the fleet it fills is not checked: at this time scale the
+    # one process running it all cannot keep the engines fed, and they sit about a third
+    # full; benchmarks/shared_fleet.py measures the fill at a time scale it can drive:
+    # docs/results/fleet.md.)
     assert alone["b"] == 0 and alone["a_part"] >= 0.98 * capacity, report
     assert alone["a"] > 1.5 * both["a"], report
     # Both queued: each may plan against its guaranteed share of the fleet, and holds about
