@@ -186,6 +186,8 @@ class FleetSim:
         self.policy = policy
         self.heartbeat_s = scenario.telemetry.heartbeat_s
         self.lag_s = scenario.telemetry.lag_s
+        # (a beat reports the tokens of a turn in flight: a streaming worker's view)
+        self.streamed = scenario.telemetry.progress == "decoding"
         self.on_iteration = on_iteration
         try:
             profile = get_profile(scenario.fleet.profile).with_limits(
@@ -995,9 +997,11 @@ class FleetSim:
         self._enqueue_from_trainer()
 
     # -- the ledger view -------------------------------------------------------------------
-    def _update_resident(self, live: _Live) -> None:
-        """Record the session's progress as it is now. The policy sees a newly admitted session
-        at once (the ledger), and its progress from the next heartbeat delivered after this."""
+    def _update_resident(self, live: _Live, decoded: int = 0) -> None:
+        """Record the session's progress as its worker knows it now (`telemetry.progress`;
+        `decoded`: steps of its engine's decode run in flight not yet in its request). The
+        policy sees a newly admitted session at once (the ledger), and its progress from the
+        next heartbeat delivered after this."""
         s = live.sim.session
         req = live.request
         if s.workload in self._agent_view:
@@ -1011,7 +1015,7 @@ class FleetSim:
                 waiting_on_tool=False, admitted_at=live.placed_at, adapter=s.adapter,
             )
         else:
-            out_now = req.num_output_tokens if req is not None else 0
+            out_now = req.num_output_tokens + decoded if req is not None and self.streamed else 0
             now = self._progress[live.backend][s.session_id] = ResidentSession(
                 session_id=s.session_id, workload=s.workload, group_id=s.group_id,
                 reserved_tokens=live.reserved, prompt_tokens=len(s.prompt_token_ids),
@@ -1058,16 +1062,21 @@ class FleetSim:
             )
             if not self.policy.reads_progress:
                 continue
-            # Only requests the engine is running make progress; parked sessions and queued
-            # requests report what they reported before.
+            # Only requests the engine is running make progress, and a worker learns it only
+            # when it streams; parked sessions and queued requests report what they reported
+            # before.
             truth = self._progress[b]
-            for req in engine.scheduler.running:
-                session = self.by_request[req.request_id]
-                if session.sim.workload in self._agent_view:
-                    continue  # no worker runs it: nothing to report
-                rs = truth.get(session.sim.session_id)
-                if rs is None or req.num_output_tokens + session.generated != rs.generated_tokens:
-                    self._update_resident(session)
+            if self.streamed:
+                decoded = engine.decoded_by(self.now)
+                for req in engine.scheduler.running:
+                    session = self.by_request[req.request_id]
+                    if session.sim.workload in self._agent_view:
+                        continue  # no worker runs it: nothing to report
+                    rs = truth.get(session.sim.session_id)
+                    generated = (req.num_output_tokens + decoded + session.generated
+                                 + len(session.partial))
+                    if rs is None or generated != rs.generated_tokens:
+                        self._update_resident(session, decoded)
             progress[b] = dict(truth)
         if self.lag_s == 0:
             self._deliver(telemetry, progress)

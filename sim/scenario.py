@@ -318,12 +318,19 @@ class TelemetrySpec(BaseModel):
     as they were `lag_s` earlier (the worker scrapes /metrics about once a second and beats
     the latest scrape; its mean age at the broker is about half a period). KV usage is
     counted in whole 16-token blocks, as vLLM reports it. `lag_s: 0` gives exact, instant
-    feedback (an idealisation no live broker has)."""
+    feedback (an idealisation no live broker has).
+
+    `progress` is what a beat says of a turn the engine is still generating. `turn_end` (the
+    default) is what the worker reports: it sends each turn as one request and learns its
+    output when the engine answers, so until then the session shows the turn's prompt.
+    `decoding` reports the tokens the engine has decoded so far, what a worker streaming its
+    requests would know."""
 
     model_config = _STRICT
 
     heartbeat_s: PosFloat = 1.0
     lag_s: NonNegFloat = 0.5
+    progress: Literal["turn_end", "decoding"] = "turn_end"
 
 
 class LimitsSpec(BaseModel):

@@ -409,3 +409,28 @@ def test_heartbeats_report_the_kv_an_engine_holds_as_it_decodes():
              if a > 0 and b > 0]
     assert len(pairs) > 20
     assert sum(b > a for a, b in pairs) > 0.5 * len(pairs)
+
+
+@pytest.mark.parametrize("progress", ["turn_end", "decoding"])
+def test_a_turn_in_flight_shows_progress_only_to_a_streaming_worker(progress):
+    """The worker sends a turn as one request and learns its output when the engine answers:
+    until then its beats show the turn's prompt (`turn_end`, the default). `decoding` reports
+    the tokens decoded so far, as a worker streaming its requests would: one session at a time
+    (one long decode run), every beat shows more."""
+    sim = _with({"telemetry": {"heartbeat_s": 0.5, "lag_s": 0.0, "progress": progress}},
+                iterations=2)
+    spy = Spy(limit=1)
+    sim.policy = spy
+    sim.run()
+    seen: dict[str, list[int]] = {}
+    for snap in spy.snapshots:
+        for b in snap.backends:
+            for rs in b.sessions:
+                if rs.max_turns == 1:
+                    seen.setdefault(rs.session_id, []).append(rs.generated_tokens)
+    pairs = [(a, b) for beats in seen.values() for a, b in zip(beats, beats[1:])]
+    assert len(pairs) > 100
+    if progress == "turn_end":
+        assert max(max(beats) for beats in seen.values()) == 0  # gone once its turn ends
+    else:
+        assert sum(b > a for a, b in pairs) > 0.8 * len(pairs)
