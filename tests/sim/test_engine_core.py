@@ -170,15 +170,22 @@ def _workload(seed: int):
     return reqs, aborts
 
 
-def _drive(profile, reqs, aborts, bulk, seed):
-    core = EngineCore(profile, seed=seed, bulk=bulk)
-    events = []
+def _add_upfront(core, reqs):
+    """Adds the up-front requests of `reqs` to `core`; returns the others as (arrival, spec),
+    in arrival order."""
+    later = []
     for r in reqs:
         spec = {k: v for k, v in r.items() if k != "upfront"}
         if r["upfront"]:
             core.add_request(EngineRequest(**spec))
         else:
-            events.append((r["arrival_time"], 0, spec))
+            later.append((spec["arrival_time"], spec))
+    return sorted(later, key=lambda a: a[0])
+
+
+def _drive(profile, reqs, aborts, bulk, seed):
+    core = EngineCore(profile, seed=seed, bulk=bulk)
+    events = [(t, 0, spec) for t, spec in _add_upfront(core, reqs)]
     events += [(t, 1, rid) for t, rid in aborts]
     events.sort(key=lambda e: (e[0], e[1]))
     done = []
@@ -217,14 +224,7 @@ def _metrics_over_time(reqs, bulk, seed, every=0.25):
     """The engine's counters (all but `now`) each time the clock reaches a multiple of `every`,
     the requests arriving as in `_drive`."""
     core = EngineCore(DYADIC, seed=seed, bulk=bulk)
-    arrivals = []
-    for r in reqs:
-        spec = {k: v for k, v in r.items() if k != "upfront"}
-        if r["upfront"]:
-            core.add_request(EngineRequest(**spec))
-        else:
-            arrivals.append((spec["arrival_time"], spec))
-    arrivals.sort(key=lambda a: a[0])
+    arrivals = _add_upfront(core, reqs)
     seen, t = [], 0.0
     while core.has_unfinished() or arrivals:
         t += every
