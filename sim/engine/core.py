@@ -604,17 +604,11 @@ class EngineCore:
         at = self._clock if at is None else at
         if not isinstance(run, _DecodeRun) or at <= run.start:
             return 0
-        span = at - run.start
-        lo, hi = 0, run.k  # elapsed(lo) <= span; find the largest such lo
-        if run.elapsed(hi) <= span:
-            return hi
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if run.elapsed(mid) <= span:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        started = self._steps_before(run, at, inclusive=True)
+        # Every step that started by `at` has ended by then but the last, which has only if it
+        # is the run's last and ends by `at` (else the next one would have started).
+        ended = started == run.k and run.elapsed(started) <= at - run.start
+        return started if ended else started - 1
 
     def check_invariants(self) -> None:
         """Assert the cache and scheduler invariants (tests call this after every step)."""
