@@ -20,7 +20,6 @@ leaves the process room: the measurement is then of the shares, not of the harne
 from __future__ import annotations
 
 import argparse
-import time
 
 from tests.workers.test_shared_fleet import ENGINES, KV, SHARES, jobs_sessions, two_job_fleet
 
@@ -34,21 +33,14 @@ def main() -> None:
     ap.add_argument("--alone-s", type=float, default=30.0)
     ap.add_argument("--both-s", type=float, default=60.0)
     args = ap.parse_args()
-    first, second = args.first, next(j for j in SHARES if j != args.first)
+    first = args.first
     # (sessions enough for a job to stay queued through both windows: a job alone on the fleet
     # finishes about 3 a second at time scale 1)
     n = int(5 * (args.alone_s + args.both_s) * args.time_scale)
     with two_job_fleet(args.redis_url, prefix="bench-share", time_scale=args.time_scale) as fleet:
-        fleet.clients[first].enqueue(jobs_sessions(first, n))
-        t0 = time.monotonic()
-        time.sleep(args.alone_s)
-        alone = fleet.sampler.mean(t0 + 2.0, time.monotonic())
-        fleet.clients[second].enqueue(jobs_sessions(second, n))
-        fleet.wait_for_waiting(second)
-        t1 = time.monotonic()
-        time.sleep(args.both_s)
-        both = fleet.sampler.mean(t1 + args.both_s / 3, time.monotonic())
-        queued = fleet.queued()
+        alone, both, queued = fleet.alone_then_both(
+            {job: jobs_sessions(job, n) for job in SHARES}, first, alone_s=args.alone_s,
+            both_s=args.both_s, skip_s=args.both_s / 3)
     cap = KV * len(ENGINES)
     used = both["a"] + both["b"]
     print(f"time scale {args.time_scale:g}")

@@ -119,6 +119,23 @@ class TwoJobFleet:
     def queued(self) -> dict[str, int]:
         return {job: sum(c.status()["pending"].values()) for job, c in self.clients.items()}
 
+    def alone_then_both(self, batches: dict[str, list[Session]], first: str, alone_s: float,
+                        both_s: float, skip_s: float) -> tuple[dict, dict, dict[str, int]]:
+        """Enqueues `first`'s batch and samples it alone for `alone_s` (its first 2 s left
+        out); then enqueues the other's, and once that one's broker says it waits, samples
+        both for `both_s`, the first `skip_s` left out (the other's share comes back as the
+        borrowed sessions end). Returns both means and what each job still had queued."""
+        second = next(job for job in batches if job != first)
+        self.clients[first].enqueue(batches[first])
+        t0 = time.monotonic()
+        time.sleep(alone_s)
+        alone = self.sampler.mean(t0 + 2.0, time.monotonic())
+        self.clients[second].enqueue(batches[second])
+        self.wait_for_waiting(second)
+        t1 = time.monotonic()
+        time.sleep(both_s)
+        return alone, self.sampler.mean(t1 + skip_s, time.monotonic()), self.queued()
+
 
 @contextmanager
 def two_job_fleet(redis_url: str, prefix: str = "share",
@@ -166,7 +183,7 @@ def two_job_fleet(redis_url: str, prefix: str = "share",
 
 def test_two_jobs_share_four_workers_by_their_guaranteed_shares(redis_url):
     with two_job_fleet(redis_url) as fleet:
-        clients, sampler = fleet.clients, fleet.sampler
+        clients = fleet.clients
         # A job may not name the other's adapter: each registry is its own.
         with pytest.raises(ValueError, match=r"adapter: 'a1' is not registered"):
             clients["b"].enqueue([Session(session_id="x", workload="rlvr", model="m-a",
@@ -175,19 +192,11 @@ def test_two_jobs_share_four_workers_by_their_guaranteed_shares(redis_url):
 
         # (enough that A still has sessions queued when the contended window ends)
         a_batch, b_batch = jobs_sessions("a", 480), jobs_sessions("b", 560)
-        clients["a"].enqueue(a_batch)
-        t0 = time.monotonic()
-        time.sleep(6.0)
-        alone = sampler.mean(t0 + 2.0, time.monotonic())
-        clients["b"].enqueue(b_batch)
         # Contention starts when B's broker has read its queue and says it waits (seconds
         # after the enqueue, in this busy process); B's share comes back as A's borrowed
         # sessions end (1.5-3 s each here).
-        fleet.wait_for_waiting("b")
-        t1 = time.monotonic()
-        time.sleep(15.0)
-        both = sampler.mean(t1 + 5.0, time.monotonic())
-        queued = fleet.queued()
+        alone, both, queued = fleet.alone_then_both({"a": a_batch, "b": b_batch}, "a",
+                                                    alone_s=6.0, both_s=15.0, skip_s=5.0)
 
         got = {job: [] for job in clients}
         want = {"a": len(a_batch), "b": len(b_batch)}
