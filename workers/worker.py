@@ -5,7 +5,8 @@ Asyncio tasks around one `WorkerLink` and one shared `httpx.AsyncClient`, and on
   per session running `SessionRunner.run`;
 - heartbeat (a thread): every `heartbeat_s`, the worker's own liveness with every running
   session's progress and the engine's latest /metrics numbers *with the time they were taken*.
-  A slow /metrics makes the numbers older, never the beat late;
+  A slow /metrics makes the numbers older, never the beat late. A session stays listed until
+  its result is published: the broker requeues a running session the beats stop listing;
 - engine watch: GET /health every `heartbeat_s`. A refused connection, or no answer for
   `engine_down_after_s`, opens the circuit: the worker stops pulling, cancels what runs here,
   stops beating and withdraws, so the broker requeues everything admitted here at once and
@@ -56,7 +57,7 @@ import httpx
 
 from broker import metrics
 from broker.completions import CompletionStats
-from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S
+from broker.heartbeat import DEFAULT_HEARTBEAT_TTL_S, SessionProgress
 from broker.redis_conn import Outage, is_outage
 from broker.session import PartialRollout, Session, SessionResult, SessionState
 from broker.worker_link import AdmittedSession, BackendReclaimed, NotRegistered, WorkerLink
@@ -172,6 +173,9 @@ class Worker:
         self._outage = Outage(f"worker {settings.backend_id}", log)
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="redis")
         self._running: dict[str, tuple[asyncio.Task, Progress]] = {}
+        # Ended here, its result not yet taken by Redis: still `running` there, so still in the
+        # beats (the broker requeues a running session its backend's beats stop listing).
+        self._finishing: dict[str, Progress] = {}
         self._scrape: EngineScrape | None = None  # the latest successful /metrics read
         self._scraped_at = 0.0  # its wall-clock time: the age the heartbeat carries
         self._health_ok_at = time.monotonic()
@@ -572,6 +576,7 @@ class Worker:
             metrics.SESSION_SECONDS.labels(workload).observe(time.monotonic() - started)
             for turn in out.turns:
                 metrics.TURN_SECONDS.labels(workload).observe(turn.wall_s)
+            self._finishing[a.session.session_id] = progress
             await self._finished.put((out.result, out.stats))
         except Handoff as cut:  # draining: back to the queue with what it had generated
             metrics.HANDED_BACK.labels("drain").inc()
@@ -584,6 +589,7 @@ class Worker:
         except Exception as exc:  # a bug of ours, not the session's: end it, with the reason
             log.exception("worker %s: session %s crashed", self.settings.backend_id,
                           a.session.session_id)
+            self._finishing[a.session.session_id] = progress
             await self._finished.put((crashed_result(a.session, exc), CompletionStats()))
         finally:
             self._running.pop(a.session.session_id, None)
@@ -632,7 +638,8 @@ class Worker:
                 log.exception("worker %s: finishing %d sessions failed", self.settings.backend_id,
                               len(batch))
             finally:
-                for _ in batch:
+                for result, _ in batch:
+                    self._finishing.pop(result.session_id, None)
                     self._finished.task_done()
 
     async def _publish(self, batch: list[tuple[SessionResult, CompletionStats]]) -> list[str]:
@@ -666,7 +673,7 @@ class Worker:
         s = self.settings
         if not (self.engine_up and self._registered.is_set()) or self._scrape is None:
             return
-        progress = [p.snapshot() for _, p in list(self._running.values())]
+        progress = self._listed()
         engine_metrics, shared = self._scrape.metrics, None
         try:
             if self.tenancy is not None:  # this namespace's part of the engine
@@ -688,6 +695,12 @@ class Worker:
                 log.exception("worker %s: heartbeat failed", s.backend_id)
             return
         self._outage.ok()
+
+    def _listed(self) -> list[SessionProgress]:
+        """What the beats list: the sessions running here and those ended but not yet
+        published."""
+        return [p.snapshot() for _, p in list(self._running.values())] + \
+               [p.snapshot() for p in list(self._finishing.values())]
 
     def _holdings(self) -> tuple[int, frozenset[str]]:
         """What this namespace's sessions hold on the engine now: their context tokens and

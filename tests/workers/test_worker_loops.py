@@ -11,7 +11,7 @@ from broker.session import Session, SessionResult, SessionState
 from broker.completions import CompletionStats
 from broker.worker_link import AdmittedSession
 from tests.workers.tools_for_tests import TOOLS_TOML
-from workers.runner import Progress
+from workers.runner import Outcome, Progress
 from workers.tools import InlineExecutor, RegistryError, ToolError, load_registry
 from workers.worker import Worker, WorkerSettings
 
@@ -115,3 +115,32 @@ def test_entry_points_of_installed_packages_register_tools(monkeypatch):
     monkeypatch.setattr(tools, "entry_points", entry_points)
     reg = load_registry()
     assert reg.tools["search"].__name__ == "boom" and set(reg.rewards) == {"parity"}
+
+
+def test_a_finished_session_is_in_the_beats_until_its_result_is_published():
+    # The broker requeues a session running here that the beats stop listing (broker/service.py
+    # `_requeue_orphans`). Between a session's end and the finish loop's publish (a batch ahead
+    # of it, a Redis outage's back-off) it is still `running` in Redis: it must stay listed.
+    class Quick:
+        async def run(self, session, progress, checkpoint=None):
+            progress.context_tokens = 9
+            result = SessionResult(session_id=session.session_id, workload="rlvr",
+                                   status=SessionState.done)
+            return Outcome(result=result, stats=CompletionStats())
+
+    w = worker()
+    w.link = FlakyLink([], ["ok"])
+    s = Session(session_id="s1", workload="rlvr", prompt_token_ids=[1], max_tokens=4)
+
+    async def go():
+        await w._run_one(Quick(), AdmittedSession("1-0", s, 10), Progress("s1"))
+        assert "s1" not in w._running
+        listed_before = [(p.session_id, p.context_tokens) for p in w._listed()]
+        finisher = asyncio.create_task(w._finish_loop())
+        await w._finished.join()
+        finisher.cancel()
+        return listed_before, [p.session_id for p in w._listed()]
+
+    before, after = asyncio.run(go())
+    assert before == [("s1", 9)]
+    assert after == [] and w.link.calls == 1
