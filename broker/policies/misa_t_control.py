@@ -94,7 +94,12 @@ class AimdParams:
         backoff = self.backoff(now, before)
         ceiling = self.ceiling(ratio)
         if backoff is not None:
-            alpha *= backoff
+            # Anti-windup (docs/misa-t.md): never below backoff·R_b/C_b, the reservations
+            # the engine held when it signalled, unless that is α·backoff. Where R_b already
+            # exceeds α·C_b admission is closed here and the congestion lasts while the engine
+            # works through what it took: shrinking α on every beat of it wound α down to
+            # alpha_min, and the engine idled once it cleared.
+            alpha = max(alpha * backoff, min(alpha, backoff * reserved / capacity))
         elif (
             ceiling is not None
             and ceiling > alpha

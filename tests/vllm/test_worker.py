@@ -233,12 +233,13 @@ def test_the_shipped_weights_hook_swaps_real_weights_on_resume(
 class RecordingAimd(AimdParams):
     """MISA-T's α control as shipped, recording each heartbeat it steps on."""
 
-    steps: list = field(default_factory=list)  # (preemptions before, now, α in, α out)
+    steps: list = field(default_factory=list)  # (preemptions before, now, α in, α out, R/C)
 
     def step(self, alpha, now, before, **kwargs):
         out = AimdParams.step(self, alpha, now, before, **kwargs)
         self.steps.append((before.preemptions_total if before else None,
-                           now.preemptions_total, alpha, out))
+                           now.preemptions_total, alpha, out,
+                           kwargs["reserved"] / kwargs["capacity"]))
         return out
 
 
@@ -270,10 +271,15 @@ def test_preemptions_in_vllm_reach_misa_ts_feedback(redis_url, namespace, vllm_e
 
     tenants = [threading.Thread(target=tenant, args=(i,)) for i in range(6)]
 
+    def backed_off(b, now, a, out, charged) -> bool:
+        expected = max(aimd.alpha_min, a * aimd.backoff_preempt,
+                       min(a, aimd.backoff_preempt * charged))
+        # (a beat where the ledger charged more than α·C holds α: it shows nothing)
+        return (b is not None and now > b and (expected < a or a == aimd.alpha_min)
+                and out == pytest.approx(expected))
+
     def backed_off_on_a_preemption() -> bool:
-        return any(b is not None and now > b and out == max(aimd.alpha_min,
-                                                            a * aimd.backoff_preempt)
-                   for b, now, a, out in list(aimd.steps))
+        return any(backed_off(*step) for step in list(aimd.steps))
 
     try:
         assert wait_until(lambda: client.status()["backends"].get("v0", {}).get("healthy"),
@@ -286,7 +292,7 @@ def test_preemptions_in_vllm_reach_misa_ts_feedback(redis_url, namespace, vllm_e
             t.start()
         assert wait_until(lambda: engine_preemptions(vllm_engine) > before, timeout=120)
         assert wait_until(backed_off_on_a_preemption, timeout=30), aimd.steps[-5:]
-        assert max(now for _, now, _, _ in aimd.steps) > before
+        assert max(now for _, now, *_ in aimd.steps) > before
     finally:
         stop.set()
         for t in tenants:

@@ -110,10 +110,32 @@ def test_alpha_grows_toward_the_ceiling_only_while_it_binds_usage_is_low_and_wor
     assert step(alpha=ceiling, reserved=CAP * 2) == pytest.approx(ceiling)
     assert step(alpha=2.5, reserved=CAP * 3) == 2.5  # above the ceiling: the signals bring it down
     hot = hb(2.0, usage=p.kv_high + 0.005)
-    assert step(now=hot) == pytest.approx(p.backoff_high)
+    assert step(now=hot, reserved=CAP) == pytest.approx(p.backoff_high)
     queue = hb(2.0, waiting=9)
-    assert step(now=queue, before=hb(1.0, waiting=5), reserved=0) == pytest.approx(p.backoff_waiting)
+    assert step(now=queue, before=hb(1.0, waiting=5), reserved=CAP) == pytest.approx(p.backoff_waiting)
     assert step(alpha=p.alpha_min, now=queue, before=hb(1.0, waiting=5)) == p.alpha_min
+
+
+def test_a_back_off_stops_at_what_the_engine_held() -> None:
+    """Anti-windup: a signal says the reservations R_b the engine held were too much, so α
+    comes down by the factor but not below factor·R_b/C_b. Where R_b is above α·C_b
+    (admission already closed; the engine still works through what it took), shrinking α on
+    every beat of that congestion wound it down to alpha_min, and the engine idled once the
+    congestion cleared."""
+    p = AimdParams()
+    hot = hb(2.0, usage=p.kv_high + 0.005)
+
+    def step(alpha, reserved, now=hot, before=None):
+        return p.step(alpha, now, before or hb(1.0), next_charge=1_000, reserved=reserved,
+                      capacity=CAP, ratio=0.5)
+
+    assert step(1.5, 2 * CAP) == 1.5  # closed already: α holds, beat after beat
+    assert step(1.5, 1.52 * CAP) == pytest.approx(1.52 * p.backoff_high)  # part of the way
+    assert step(1.5, CAP) == pytest.approx(1.5 * p.backoff_high)  # α binds: the factor
+    queue = hb(2.0, waiting=9)
+    assert step(1.5, 3 * CAP, now=queue, before=hb(1.0, waiting=5)) == 1.5
+    assert step(1.5, CAP, now=queue, before=hb(1.0, waiting=5)) == pytest.approx(
+        1.5 * p.backoff_waiting)
 
 
 def test_alpha_grows_at_once_where_the_engine_has_drained_since_its_last_back_off() -> None:
@@ -359,10 +381,11 @@ def test_a_multi_turn_workload_closes_admission_for_good_where_the_ledger_stands
                            [*single, agentic], now=2.0, target=mix))
     assert d.admissions == []
     assert d.alpha["a"] == pytest.approx(2.5 * p.backoff_high)  # from where the ledger stands
-    # gone from the queue, the multi-turn workload keeps admission closed
+    # gone from the queue, the multi-turn workload keeps admission closed; the engine is
+    # still full, but what it holds is already above α·C: α holds (no wind-down)
     d = policy.decide(snap([view("a", *residents, alpha=d.alpha["a"],
                                  telemetry=hb(3.0, usage=full))], single, now=3.0, target=mix))
-    assert d.admissions == [] and d.alpha["a"] < 2.5
+    assert d.admissions == [] and "a" not in d.alpha
     many = [resident(f"r{i}", reserved=10_000) for i in range(60)]  # 6·C: capped
     fresh = make_policy("misa_t", residency_accounting=False)
     # a restarted broker with the ledger at open_alpha, before any heartbeat reaches it
