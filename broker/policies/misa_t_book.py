@@ -237,18 +237,17 @@ class Book:
         """Charges per workload over the view's residents (re-charged if `recharge`), and the
         growth factor (new on a re-charge with `anticipate_growth`, else `growth`)."""
         by_workload: dict[str, float] = {}
-        # per workload: (context tokens, residents), for the growth factor of a fresh beat
-        held: dict[str, list[float]] | None = (
+        # per workload: residents, for the growth factor of a fresh beat
+        residents: dict[str, int] | None = (
             {} if recharge and self.config.anticipate_growth else None)
         for s in view.sessions:
             charge = (self.residency.recharge(s, view, now, decision) if recharge
                       else s.reserved_tokens)
             w = s.workload
             by_workload[w] = by_workload.get(w, 0.0) + charge
-            if held is not None:
-                sums = held.setdefault(w, [0.0, 0])
-                sums[0] += s.context_tokens
-                sums[1] += 1
-        if held is not None:
-            growth = self.residency.growth(by_workload, held)
+            if residents is not None:
+                residents[w] = residents.get(w, 0) + 1
+        if residents is not None and view.telemetry is not None:
+            growth = self.residency.growth(by_workload, residents,
+                                           view.telemetry.kv_usage * view.capacity_tokens)
         return by_workload, growth

@@ -275,31 +275,39 @@ class Residency:
         resident = max(usage * view.capacity_tokens, history)
         return history * remaining <= prefill_s * resident
 
-    def growth(self, charged: Mapping[str, float], held: Mapping[str, list[float]]) -> float:
+    def growth(self, charged: Mapping[str, float], residents: Mapping[str, int],
+               in_use: float) -> float:
         """The factor ρ_b is scaled by: how much more of what they are charged a backend's
         residents will hold, judged by the finished sessions of their workloads (`charged`:
-        their charges per workload; `held`: their context tokens and their number).
+        their charges per workload; `residents`: how many per workload; `in_use`: the KV
+        tokens the engine reports in use now).
 
         A finished single-turn session held `held_per_charged` (∫KV dt / ∫charge dt) over its
         residency; residents of every age, mixed as a steady state mixes them, hold that ratio
         of their charges now. Residents that hold less (a cohort admitted together: prompts
-        in KV, expected ends charged) will grow into it. The factor is Σ_w ratio_w·charged_w
-        over Σ_w context_w, where a workload with no learned ratio (too few finished sessions,
-        or multi-turn sessions, whose context jumps by tool observations between heartbeats)
-        counts its context on both sides; 1 where it does not pass the noise band, or is below
-        1 (older residents: what the engine holds already says it)."""
-        expected = total = 0.0
+        in KV, expected ends charged) will grow into it. The factor is
+        (Σ_w ratio_w·charged_w) / in_use, where a workload with no learned ratio (too few
+        finished sessions, or multi-turn sessions) is taken to hold what it is charged times
+        the engine's measured ρ_b = in_use / Σ charged; 1 where it does not pass the noise
+        band, or is below 1 (older residents: what the engine holds already says it).
+
+        What the engine holds, not the residents' context tokens: a worker learns a turn's
+        output when the turn ends, so until then a session's context is its prompt, and a
+        factor over contexts grew without bound on long outputs (docs/misa-t.md)."""
+        total_charged = sum(charged.values())
+        if in_use <= 0 or total_charged <= 0:
+            return 1.0
+        expected = 0.0
         n = 0  # residents of workloads with a learned ratio
-        for w, (context, residents) in held.items():
+        for w, count in residents.items():
             model = self.predictions.models.get(w)
             ratio = model.held_per_charged.ratio() if model is not None else None
-            total += context
             if ratio is None:
-                expected += context
+                expected += in_use * charged[w] / total_charged
             else:
                 expected += ratio * charged[w]
-                n += residents
-        if n == 0 or total <= 0:
+                n += count
+        if n == 0:
             return 1.0
-        factor = expected / total
+        factor = expected / in_use
         return factor if factor >= 1.0 + self.config.growth_noise_band / math.sqrt(n) else 1.0

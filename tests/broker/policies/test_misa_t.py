@@ -319,6 +319,24 @@ def test_growth_within_the_noise_of_a_few_residents_is_not_scaled() -> None:
     assert policy.book.booked["a"].growth == pytest.approx(0.5 * 600 / 200)
 
 
+def test_growth_is_judged_by_what_the_engine_holds_not_by_the_beats_contexts() -> None:
+    """A worker learns a turn's output when the turn ends: until then its beats show each
+    session's prompt. Residents whose beats say 100 tokens while the engine holds 300 of each
+    have grown into half of their 600 already (the learned ratio): nothing to scale. Judged by
+    the contexts, the factor was 3, and on outputs of thousands of tokens it reached 40 and
+    held α far below what the engine could take."""
+    policy = make_policy("misa_t")
+    learned(policy, ratio=0.5)
+    residents = [resident(f"r{i}", reserved=600, context=100) for i in range(64)]
+    policy.decide(snap([view("a", *residents, telemetry=hb(11.0, usage=64 * 300 / CAP))],
+                       [pending("x")], now=11.0))
+    assert policy.book.booked["a"].growth == 1.0
+    # the same residents while the engine holds only their prompts: young, they will grow
+    policy.decide(snap([view("a", *residents, telemetry=hb(12.0, usage=64 * 100 / CAP))],
+                       [pending("x")], now=12.0))
+    assert policy.book.booked["a"].growth == pytest.approx(0.5 * 600 / 100)
+
+
 def test_admits_only_while_reservations_fit_alpha_times_capacity() -> None:
     # static charge prompt + max_tokens = 1,100; the ledger's α, not open admission
     policy = make_policy("misa_t-residency", open_single_turn=False)
