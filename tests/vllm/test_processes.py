@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from broker.client import RolloutClient
+from broker.keys import Keys
 from broker.policies import make_policy
 from broker.redis_server import free_port
 from broker.session import SamplingParams, Session, SessionState
@@ -57,7 +58,7 @@ def running_on(client: RolloutClient, backend: str) -> int:
 
 
 def test_the_worker_command_runs_real_vllm_through_a_weight_reload_and_a_kill_9(
-        redis_url, namespace, vllm_installed, vllm_engine: RealEngine, tmp_path):
+        redis_url, redis_client, namespace, vllm_installed, vllm_engine: RealEngine, tmp_path):
     """What the README shows: models built with `rollout-broker tiny-model`, a worker whose
     engine is vllm:DIR with the shipped weights hook; sessions with logprobs, a pause and a
     resume that reloads other weights (greedy outputs change). Then kill -9 of the worker with
@@ -102,7 +103,11 @@ def test_the_worker_command_runs_real_vllm_through_a_weight_reload_and_a_kill_9(
         engine_pids = [p.pid for p in psutil.Process(worker.pid).children(recursive=True)]
         client.enqueue(long("k", 3))
         assert wait_until(lambda: running_on(client, "cli0") == 3, timeout=60)
-        time.sleep(1.0)
+        # Killed as soon as the worker runs all three: 1,500 tokens take about 4 s on this
+        # engine (with vLLM's AMX kernels), and a fixed wait let one finish before the kill.
+        keys = Keys(namespace)
+        assert wait_until(lambda: all(redis_client.hget(keys.session(f"k-{i}"), "state")
+                                      == b"running" for i in range(3)), timeout=60)
         worker.send_signal(signal.SIGKILL)
         worker.wait(timeout=30)
         assert wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status()
