@@ -29,7 +29,8 @@ Each `decide(snapshot)`:
    idle shares are lent, and lending stops (never preempts) once an owner has pending work.
    An owner below its share whose oldest session fits nowhere keeps the backend closest to
    fitting it for itself within the call (others place elsewhere), so the room freed there
-   accumulates for it instead of being lent on to smaller sessions for good.
+   accumulates for it instead of being lent on to smaller sessions for good. An oldest session
+   that names a model or an adapter blocks only the backends it may run on.
 5. Admit, most under-served workload first, each workload oldest first: a GRPO group goes
    whole to one backend when it fits; otherwise each member (and any single session) goes to
    the backend with the longest cached-prefix match among those within `locality_slack` of

@@ -5,7 +5,9 @@ follow-up turns go home first; each workload gets its share σ_w of Σ_b α_b·C
 (misa_t_control.shares); then, most under-served workload first, each workload's oldest session
 (with the rest of its GRPO group) goes where `Placement.choose` puts it, until every workload
 has placed everything or its oldest fits nowhere. A blocked, under-served workload keeps the
-backend closest to fitting its oldest for itself within the call.
+backend closest to fitting its oldest for itself within the call. An oldest session tied to a
+model or an adapter blocks only the backends it may run on: the sessions behind it place on
+the others (each engine's own queue would let them, behind a router).
 
 A session that names a model or a LoRA adapter places only where the engine serves it
 (`base.serves`), and with an adapter only where one of the engine's `max_loras` slots is free
@@ -140,7 +142,10 @@ class AdmissionRound:
         cursor = dict.fromkeys(fresh, 0)
         live = set(fresh)  # the workloads with sessions still to place
         held: dict[str, BackendState] = {}  # workload -> the backend kept for its blocked oldest
-        pools: dict[str, Pool] = {}  # per workload: backends not held for another
+        # Per workload: the backends a session of it that fit nowhere could have used; nothing
+        # behind that session may place there in this call (FIFO on those backends).
+        blocked: dict[str, list[BackendState]] = {}
+        pools: dict[str, Pool] = {}  # per workload: backends neither held for another nor blocked
         while live:
             if cfg.workload_allocation:
                 # A workload whose oldest session fits nowhere right now does not hold the
@@ -154,7 +159,8 @@ class AdmissionRound:
                 w = min(live, key=lambda v: (fresh[v][cursor[v]].enqueued_at, v))
             pool = pools.get(w)
             if pool is None:
-                pool = pools[w] = placement.pool([b for v, b in held.items() if v != w])
+                pool = pools[w] = placement.pool(
+                    [b for v, b in held.items() if v != w] + blocked.get(w, []))
             items, where = fresh[w], None
             while cursor[w] < len(items):
                 where = self._where(items[cursor[w]], pool)
@@ -166,9 +172,20 @@ class AdmissionRound:
                 continue
             taken, charged, need = self._admit_next(items, cursor[w], where)
             if not taken:
-                live.discard(w)  # its oldest does not fit: FIFO within a workload, no overtaking
-                if self._hold_for(w, quota, pool, need, held):
+                # Its oldest fits nowhere it may run: nothing behind it overtakes it there. A
+                # session that may run anywhere stops the workload; one tied to a model or an
+                # adapter leaves the backends it could not use to the sessions behind it, as
+                # their engines' own queues would behind a router.
+                if self._hold_for(w, quota, where, need, held):
                     pools.clear()
+                if len(where.members) == len(pool.members):
+                    live.discard(w)
+                    continue
+                blocked.setdefault(w, []).extend(where.members)
+                pools.pop(w, None)
+                cursor[w] += 1
+                if cursor[w] >= len(items):
+                    live.discard(w)
                 continue
             used[w] = used.get(w, 0.0) + charged
             cursor[w] += taken
@@ -182,9 +199,10 @@ class AdmissionRound:
         """Under-served and blocked: keep the backend closest to fitting `w`'s oldest (most
         headroom) for it, so the room freed there accumulates instead of going to smaller
         sessions of other workloads, which would starve it for good (EASY backfilling's
-        reservation for the queue head). Elsewhere lending goes on. True if one is kept."""
+        reservation for the queue head). Elsewhere lending goes on. `pool`: the backends the
+        oldest may run on. True if one is kept (one per workload and call: its oldest)."""
         cfg = self.config
-        if not (cfg.workload_allocation and cfg.hold_for_blocked
+        if not (cfg.workload_allocation and cfg.hold_for_blocked and w not in held
                 and self.accounted.used.get(w, 0.0) < quota.get(w, 0.0)):
             return False
         keep = self.accounted.placement.most_room(pool, need)
@@ -292,7 +310,8 @@ class AdmissionRound:
         naming no model or adapter), or None where none serves it or, for an adapter, has a
         slot for it now. Such a session waits without holding back the sessions behind it, as
         vLLM's scheduler lets the requests behind one whose adapter has no slot go ahead; one
-        that fits nowhere for its KV still does."""
+        that fits nowhere for its KV holds back the sessions behind it on these backends
+        (`_fill`)."""
         if not _needs(item):
             return pool
         eligible = self._eligible(item, pool)

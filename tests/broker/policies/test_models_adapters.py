@@ -150,3 +150,30 @@ def test_a_session_whose_adapter_has_no_slot_lets_the_others_go_ahead():
     items = [pending("z0", model="m", adapter="z", at=0), pending("x1", model="m", adapter="x", at=1),
              pending("y2", model="m", adapter="y", at=2)]
     assert placed("misa_t", snap(backends, items)) == {"x1": "b0", "y2": "b1"}
+
+
+def multi_turn(sid: str, **kw) -> PendingItem:
+    return replace(pending(sid, **kw), max_turns=2)
+
+
+def test_a_session_whose_model_is_full_lets_the_other_models_sessions_go():
+    """The m-a engine has no room for the oldest session (an m-a one): the m-b session behind
+    it goes to the m-b engine, as it would from that engine's own queue behind a router. The
+    m-a session behind the oldest does not overtake it on the m-a engine, though it would fit
+    there. (Multi-turn sessions: admission is closed, the ledger's α = 1 binds.)"""
+    backends = [view("ba", "m-a", 0, resident("r0"), capacity=1_000),
+                view("bb", "m-b", 0, capacity=1_000)]
+    items = [multi_turn("a0", model="m-a", at=0, prompt=300, max_tokens=300),
+             multi_turn("b1", model="m-b", at=1, prompt=100, max_tokens=200),
+             multi_turn("a2", model="m-a", at=2, prompt=100, max_tokens=100)]
+    assert placed("misa_t", snap(backends, items)) == {"b1": "bb"}
+
+
+def test_a_session_that_may_run_anywhere_still_stops_its_workload():
+    """FIFO within a workload where the oldest could use every engine: nothing behind it goes,
+    whichever model it names."""
+    backends = [view("ba", "m-a", 0, resident("r0"), capacity=1_000),
+                view("bb", "m-b", 0, resident("r1"), capacity=1_000)]
+    items = [multi_turn("any0", at=0, prompt=300, max_tokens=300),
+             multi_turn("b1", model="m-b", at=1, prompt=100, max_tokens=100)]
+    assert placed("misa_t", snap(backends, items)) == {}
