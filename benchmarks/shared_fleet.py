@@ -6,8 +6,9 @@ simulated engines, MISA-T brokers, real Redis; the KV each job holds read from t
 `--both-s` after its broker first says it waits to the end both are measured. Prints the first
 job's KV alone (of the fleet's capacity, and the part it may plan against; its first 2 s left
 out), each job's KV under contention (of the fleet, and of the KV in use) with its mean part,
-and what each still had queued at the end (a job whose queue ran dry was not contending for
-the whole window).
+on how many engines each said it had work waiting, and what each still had queued at the
+end (a job whose queue ran dry, or whose sessions for one model did, was not contending for
+the whole window everywhere).
 
 Everything runs in one Python process on this machine's cores. At the test's `--time-scale 10`
 (engine time 10x wall time) that process cannot keep the engines fed: workers hold sessions
@@ -51,6 +52,9 @@ def main() -> None:
                                       f"{SHARES[j]}, part {both[f'{j}_part'] / cap:.3f})"
                                       for j in SHARES)
           + f"; KV in use {used / cap:.3f} of the fleet's")
+    print("engines each job said it had work waiting for, of "
+          f"{len(ENGINES)}, mean under contention: "
+          + ", ".join(f"{j} {both[f'{j}_waiting']:.2f}" for j in SHARES))
     print(f"queued at the end: {queued}")
 
 

@@ -29,6 +29,7 @@ import redis
 from broker.client import RolloutClient
 from broker.policies import make_policy
 from broker.session import Session, SessionState
+from broker.shares import is_waiting
 from sim.server.testing import RunningEngine, running_engine
 from tests.broker.helpers import BrokerThread, wait_until
 from tests.workers.helpers import WorkerThread, prompt
@@ -60,8 +61,9 @@ _JOB_OF_REQUEST = re.compile(r"(?:^|-)([ab])-\d+-t\d+")
 
 class KvSampler:
     """Every 0.1 s, per job: the KV its requests hold in the four engines (the tokens each
-    engine has computed for them, read from the engines themselves), and the part of the
-    engines its heartbeats say it may plan against."""
+    engine has computed for them, read from the engines themselves), the part of the
+    engines its heartbeats say it may plan against, and on how many engines its broker says
+    it has work waiting (where it does not, the other job may use that engine's whole KV)."""
 
     def __init__(self, redis_client, namespaces: dict[str, str],
                  engines: dict[str, RunningEngine]) -> None:
@@ -83,10 +85,16 @@ class KvSampler:
                     continue
                 for request_id, tokens in computed.items():
                     held[_JOB_OF_REQUEST.search(request_id)[1]] += tokens
+            now = time.time()
             for job, ns in self.namespaces.items():
                 beats = self.redis.mget([f"rb:{{{ns}}}:hb:{b}" for b in ENGINES])
                 beats = [json.loads(raw) for raw in beats if raw]
                 held[f"{job}_part"] = sum(beat["shared"]["capacity_tokens"] for beat in beats)
+                pipe = self.redis.pipeline(transaction=False)
+                for b in ENGINES:
+                    pipe.hget(f"rb:{{{ns}}}:ledger:{b}", "waiting_at")
+                held[f"{job}_waiting"] = sum(
+                    is_waiting(float(at) if at else None, now) for at in pipe.execute())
             self.samples.append((time.monotonic(), held))
 
     def start(self) -> KvSampler:
@@ -191,7 +199,7 @@ def test_two_jobs_share_four_workers_by_their_guaranteed_shares(redis_url):
                                           max_tokens=8)])
 
         # (enough that A still has sessions queued when the contended window ends)
-        a_batch, b_batch = jobs_sessions("a", 480), jobs_sessions("b", 560)
+        a_batch, b_batch = jobs_sessions("a", 960), jobs_sessions("b", 560)
         # Contention starts when B's broker has read its queue and says it waits (seconds
         # after the enqueue, in this busy process); B's share comes back as A's borrowed
         # sessions end (1.5-3 s each here).
@@ -214,9 +222,15 @@ def test_two_jobs_share_four_workers_by_their_guaranteed_shares(redis_url):
               "both_b_of_used": round(both["b"] / (both["a"] + both["b"]), 3),
               "both_used_of_capacity": round((both["a"] + both["b"]) / capacity, 3),
               "both_a_part": round(both["a_part"] / capacity, 3),
-              "both_b_part": round(both["b_part"] / capacity, 3)}
+              "both_b_part": round(both["b_part"] / capacity, 3),
+              "both_a_waiting": round(both["a_waiting"], 2),
+              "both_b_waiting": round(both["b_waiting"], 2)}
     print("shares:", report, "queued after the window:", queued)
-    assert all(queued.values()), f"a queue ran dry inside the window: {queued}"
+    # Both contended on every engine through the window: each broker said it had work waiting
+    # for each engine (a job whose sessions for one model ran out leaves those engines to the
+    # other, and its part there is no longer its share).
+    for job in SHARES:
+        assert report[f"both_{job}_waiting"] >= len(ENGINES) - 0.1, report
     # A alone may plan against the whole fleet (B's share is lent), and holds more than it
     # does beside B. (How much of the fleet it fills is not checked: at this time scale the
     # one process running it all cannot keep the engines fed, and they sit about a third
