@@ -130,7 +130,9 @@ class BackendStatus(BaseModel):
     reserved_by_workload: dict[str, int]
     sessions: int  # sessions resident (holding a reservation)
     admitted_total: int | None  # sessions ever admitted to it; None if its stream is gone
-    kv_usage: float | None  # the engine's own usage, 0..1; None without a heartbeat
+    # the engine's own usage, 0..1 (on a shared engine, of this namespace's part: above 1 while
+    # it holds more); None without a heartbeat
+    kv_usage: float | None
     running: int | None
     waiting: int | None
     preemptions_total: int | None

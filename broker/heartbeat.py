@@ -6,7 +6,7 @@ backend is healthy exactly while its heartbeat key exists (see `lua/heartbeat.lu
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from broker.policies.base import Telemetry
 
@@ -30,7 +30,9 @@ class EngineMetrics(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kv_usage: float = Field(ge=0.0, le=1.0)
+    # 0..1; on a shared engine (`HeartbeatRecord.shared`) of the namespace's part, and above 1
+    # while the namespace holds more than its part
+    kv_usage: float = Field(ge=0.0)
     running: int = Field(ge=0)
     waiting: int = Field(ge=0)
     preemptions_total: int = Field(ge=0)
@@ -41,7 +43,8 @@ class EngineMetrics(BaseModel):
 class SharedPart(BaseModel):
     """On an engine several namespaces share (broker/shares.py): this namespace's part of it.
     The beat's `metrics.kv_usage` is then this namespace's KV in use as a fraction of
-    `capacity_tokens`; the engine's queue and preemption counters stay the engine's."""
+    `capacity_tokens` (above 1 while it holds more than that); the engine's queue and
+    preemption counters stay the engine's."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -64,6 +67,14 @@ class HeartbeatRecord(BaseModel):
     # finish, but takes no new one; the broker places nothing there.
     draining: bool = False
     shared: SharedPart | None = None  # None: the engine serves this namespace alone
+
+    @model_validator(mode="after")
+    def _usage_within_the_engine(self) -> HeartbeatRecord:
+        if self.shared is None and self.metrics.kv_usage > 1.0:
+            raise ValueError(f"metrics.kv_usage: {self.metrics.kv_usage} is above 1 on an engine "
+                             "this namespace has alone (only a shared engine's part can be "
+                             "overfull)")
+        return self
 
     def telemetry(self) -> Telemetry:
         m = self.metrics

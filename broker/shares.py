@@ -104,7 +104,10 @@ class EnginePart:
     """A namespace's part of a shared engine: what its broker plans against."""
 
     capacity_tokens: int  # the KV it may plan against now (at least 1: nothing fits at 1)
-    kv_usage: float  # the engine's KV in use that is its own, as a fraction of that part
+    # The engine's KV in use that is its own, as a fraction of that part: above 1 while it
+    # holds more than its part (it borrowed, or its sessions grew past what it planned), so
+    # that its broker's α loop sees by how much.
+    kv_usage: float
     foreign_adapters: int  # adapter slots the other namespaces' running sessions hold
 
 
@@ -130,7 +133,7 @@ def part_for(namespace: str, tenants: Sequence[Tenant], capacity_tokens: int,
     total_kv = sum(t.kv_tokens for t in tenants)
     used = kv_usage * capacity_tokens * (own.kv_tokens / total_kv) if total_kv else 0.0
     foreign = frozenset().union(*(t.adapters for t in others))
-    return EnginePart(capacity_tokens=capacity, kv_usage=min(1.0, used / capacity),
+    return EnginePart(capacity_tokens=capacity, kv_usage=used / capacity,
                       foreign_adapters=len(foreign))
 
 

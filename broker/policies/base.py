@@ -46,7 +46,7 @@ class Telemetry:
     """The latest heartbeat of a backend: its engine's own /metrics, as vLLM names them."""
 
     at: float  # when the heartbeat was taken
-    kv_usage: float  # vllm:kv_cache_usage_perc, 0..1
+    kv_usage: float  # vllm:kv_cache_usage_perc, 0..1 (of a shared engine's part: may exceed 1)
     running: int  # vllm:num_requests_running
     waiting: int  # vllm:num_requests_waiting
     preemptions_total: int  # vllm:num_preemptions_total

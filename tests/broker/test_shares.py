@@ -66,6 +66,15 @@ def test_a_borrower_gives_back_only_as_its_sessions_end() -> None:
     assert part_for("b", tenants, C, 0.9).capacity_tokens == 50_000
 
 
+def test_a_namespace_over_its_part_sees_by_how_much() -> None:
+    """b holds 90k of the engine's KV (it borrowed while a was idle) against a part of 50k now
+    that a waits: its usage reads 1.8 of its part, not a full 1.0, so its α loop sees how far
+    over it is."""
+    tenants = [Tenant("a", 0.5, 0, 1.0, True, kv_tokens=0),
+               Tenant("b", 0.5, 180_000, 2.0, True, kv_tokens=90_000)]
+    assert part_for("b", tenants, C, 0.9).kv_usage == pytest.approx(1.8)
+
+
 def test_a_part_never_reaches_zero_and_foreign_adapters_count() -> None:
     tenants = [Tenant("a", 0.5, 0, 1.0, True, adapters=frozenset({"a/x"})),
                Tenant("b", 0.5, 2 * C, 1.0, False, adapters=frozenset({"b/x", "b/y"}))]
@@ -121,3 +130,13 @@ def test_misa_t_keeps_admission_closed_on_a_shared_engine() -> None:
         placed = sum(a.reserved_tokens for a in decision.admissions)
         assert policy.alpha_loop.open is True
         assert (placed > 2 * C) is opened, placed
+
+
+def test_only_a_shared_engines_part_may_read_over_full() -> None:
+    over = EngineMetrics(kv_usage=1.4, running=0, waiting=0, preemptions_total=0,
+                         prefix_queries_total=0, prefix_hits_total=0)
+    with pytest.raises(ValueError, match=r"metrics.kv_usage: 1.4 is above 1 on an engine"):
+        HeartbeatRecord(backend_id="b0", at=1.0, metrics=over)
+    part = SharedPart(capacity_tokens=50_000, share=0.5, namespaces=2)
+    assert HeartbeatRecord(backend_id="b0", at=1.0, metrics=over, shared=part).telemetry() \
+        .kv_usage == 1.4
