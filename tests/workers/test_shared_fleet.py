@@ -85,16 +85,18 @@ class KvSampler:
                     continue
                 for request_id, tokens in computed.items():
                     held[_JOB_OF_REQUEST.search(request_id)[1]] += tokens
-            now = time.time()
-            for job, ns in self.namespaces.items():
-                beats = self.redis.mget([f"rb:{{{ns}}}:hb:{b}" for b in ENGINES])
-                beats = [json.loads(raw) for raw in beats if raw]
-                held[f"{job}_part"] = sum(beat["shared"]["capacity_tokens"] for beat in beats)
-                pipe = self.redis.pipeline(transaction=False)
+            pipe = self.redis.pipeline(transaction=False)  # one round trip per sample
+            for ns in self.namespaces.values():
                 for b in ENGINES:
+                    pipe.get(f"rb:{{{ns}}}:hb:{b}")
                     pipe.hget(f"rb:{{{ns}}}:ledger:{b}", "waiting_at")
-                held[f"{job}_waiting"] = sum(
-                    is_waiting(float(at) if at else None, now) for at in pipe.execute())
+            replies, now = iter(pipe.execute()), time.time()
+            for job in self.namespaces:
+                per_engine = [(next(replies), next(replies)) for _ in ENGINES]
+                held[f"{job}_part"] = sum(json.loads(beat)["shared"]["capacity_tokens"]
+                                          for beat, _ in per_engine if beat)
+                held[f"{job}_waiting"] = sum(is_waiting(float(at) if at else None, now)
+                                             for _, at in per_engine)
             self.samples.append((time.monotonic(), held))
 
     def start(self) -> KvSampler:
