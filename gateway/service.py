@@ -55,6 +55,7 @@ from broker.streams import as_text
 from broker.tool_calls import parse_tool_calls, tool_call_id
 from broker.weights import read_state
 from gateway.render import ChatRenderer, EngineTemplate, HfTemplate, RenderError, SimTemplate
+from workers.engine_http import engine_client
 from workers.runner import EngineError, EngineUnavailable, EngineWeights, RunnerSettings, SessionRunner
 from workers.tools import InlineExecutor, RewardCall, ToolError, load_registry
 
@@ -89,7 +90,7 @@ class GatewaySettings:
     move_timeout_s: float = 120.0  # a call whose engine died waits this long for another
     call_timeout_s: float = 600.0  # one engine request; also how long a call holds its charge
     retry_after_s: float = 2.0  # the 429's Retry-After
-    max_connections: int = 1024  # HTTP connections to each engine
+    max_connections: int = 1024  # HTTP connections to the engines, all together
     redis_connections: int = 1024  # Redis connections (every call in flight may hold one)
     token: str | None = None  # bearer token of the trainer's endpoints (None: open)
     # Where the chat template comes from (gateway/render.py): "engine", "sim" or a Hugging Face
@@ -154,10 +155,9 @@ class Gateway:
         self._redis = connect_async(settings.redis_url, max_connections=settings.redis_connections)
         self._outage = Outage("gateway", log)
         self._runner = AsyncRunner(self._redis, self._outage)
-        # One HTTP client per engine (`_engine_http`): httpx's pool looks through all of its
-        # connections for every request it places, so one pool for the whole fleet cost the
-        # gateway 2 ms of CPU per call at 64 calls in flight on 2 engines (cProfile).
-        self._http: dict[str, httpx.AsyncClient] = {}
+        # One client for every engine (workers/engine_http.py: aiohttp's pool, whose cost per
+        # request does not grow with the connections it holds).
+        self._http = engine_client(settings.call_timeout_s, settings.max_connections)
         self.weights = EngineWeights()
         self._renderers: dict[object, ChatRenderer] = {}
         if settings.tokenizer not in ("engine", "sim"):
@@ -197,7 +197,7 @@ class Gateway:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(h.aclose() for h in self._http.values()))
+        await self._http.aclose()
         await self._redis.aclose()
 
     async def _redis_call(self, plan: Callable[..., Plan[T]], *args: Any) -> T:
@@ -265,28 +265,18 @@ class Gateway:
             if not url or not model:
                 raise EngineUnavailable(f"backend {backend_id}: its worker did not advertise its "
                                         "engine (a worker older than the gateway?)")
-            runner = SessionRunner(self._engine_http(url), url, model, int(max_len or 0), tools=None,
+            runner = SessionRunner(self._http, url, model, int(max_len or 0), tools=None,
                                    settings=self.settings.runner,
                                    vocab_size=int(vocab) if vocab else None, weights=self.weights)
             b = self._backends[backend_id] = _Backend(url.rstrip("/"), model, runner,
                                                       self._renderer(url, model, vocab))
         return b
 
-    def _engine_http(self, url: str) -> httpx.AsyncClient:
-        http = self._http.get(url)
-        if http is None:
-            s = self.settings
-            limits = httpx.Limits(max_connections=s.max_connections,
-                                  max_keepalive_connections=min(256, s.max_connections))
-            http = self._http[url] = httpx.AsyncClient(
-                limits=limits, timeout=httpx.Timeout(s.call_timeout_s, pool=None))
-        return http
-
     def _renderer(self, url: str, model: str, vocab: str | None) -> ChatRenderer:
         tok = self.settings.tokenizer
         if tok == "engine":
             key: object = ("engine", url, model)
-            make = lambda: EngineTemplate(self._engine_http(url), url.rstrip("/"), model)  # noqa: E731
+            make = lambda: EngineTemplate(self._http, url.rstrip("/"), model)  # noqa: E731
         elif tok == "sim":
             if not vocab:
                 raise EngineUnavailable(f"engine {url}: its worker registered no vocabulary size "

@@ -1,6 +1,7 @@
 """The GPU worker's loop: pull admitted sessions, run them concurrently, heartbeat, finish.
 
-Asyncio tasks around one `WorkerLink` and one shared `httpx.AsyncClient`, and one thread:
+Asyncio tasks around one `WorkerLink` and one shared engine client (`engine_client`: httpx's API
+on aiohttp's pool, workers/engine_http.py), and one thread:
 - pull: `read_admitted` (our backlog first, then new entries), `mark_running_many`, and one task
   per session running `SessionRunner.run`;
 - heartbeat (a thread): every `heartbeat_s`, the worker's own liveness with every running
@@ -63,6 +64,7 @@ from broker.session import PartialRollout, Session, SessionResult, SessionState
 from broker.worker_link import AdmittedSession, BackendReclaimed, NotRegistered, WorkerLink
 from workers.adapters import AdapterLoader, EngineAdapters
 from workers.engine import EngineInfo, EngineScrape, parse_metrics, read_engine_info
+from workers.engine_http import engine_client
 from workers.runner import (
     EngineUnavailable,
     EngineWeights,
@@ -246,10 +248,7 @@ class Worker:
             self._close_unstarted()
             return
         self.weights = EngineWeights(weights.version, labelled=self.tenancy is None)
-        limits = httpx.Limits(max_connections=s.max_connections,
-                              max_keepalive_connections=min(256, s.max_connections))
-        timeout = httpx.Timeout(s.runner.request_timeout_s, pool=None)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
+        async with engine_client(s.runner.request_timeout_s, s.max_connections) as http:
             if self.info.max_loras:
                 engine = self._engine_adapters or EngineAdapters(s.lora_cache
                                                                  or self.info.max_loras)
