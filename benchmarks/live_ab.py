@@ -605,15 +605,15 @@ def router_child(index: int, router_url: str, info: EngineInfo, time_scale: floa
 
 async def _router_child(index: int, router_url: str, info: EngineInfo, time_scale: float,
                         inbox, outbox) -> None:
+    from workers.engine_http import engine_client
     from workers.runner import EngineUnavailable, RunnerSettings, SessionRunner
     from workers.tools import InlineExecutor, load_registry
 
     loop = asyncio.get_running_loop()
     settings = RunnerSettings(time_scale=time_scale)
-    # One connection per session in flight: httpx's pool queues requests beyond its limit.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(settings.request_timeout_s,
-                                                                        pool=None)) as http:
+    # The workers' client (one connection per session in flight): the arms differ by the
+    # policy, not by the HTTP stack.
+    async with engine_client(settings.request_timeout_s) as http:
         runner = SessionRunner(http, router_url, info.model, info.max_model_len,
                                InlineExecutor(registry=load_registry()), settings,
                                vocab_size=info.vocab_size)
