@@ -49,6 +49,7 @@ from broker.session import SessionResult  # noqa: E402
 from examples import agent_gateway as example  # noqa: E402
 from sim.scenario import load_scenario  # noqa: E402
 from sim.workloads.generators import generate_group  # noqa: E402
+from workers.engine_http import engine_client  # noqa: E402
 
 NAMESPACE = "gwbench"
 
@@ -273,9 +274,9 @@ async def overhead(fleet: Fleet, episodes: int, calls: int, out_tokens: int, rou
     timings: list[tuple[float, ...]] = []
     placed: dict[int, int] = {}  # episode index -> the engine the broker placed it on
     gateway_cpu = 0.0
-    limits = httpx.Limits(max_connections=4 * episodes, max_keepalive_connections=4 * episodes)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http, \
-            AsyncRolloutClient(fleet.redis_url, NAMESPACE) as client:
+    # The load generator's client: the workers' (httpx's own pool would spend more CPU in this
+    # process than the gateway does; both arms use it).
+    async with engine_client(600) as http, AsyncRolloutClient(fleet.redis_url, NAMESPACE) as client:
         model = (await http.get(f"{fleet.engine_urls[0]}/v1/models")).json()["data"][0]["id"]
         for rnd in range(rounds):
             for arm in ("gateway", "direct") if rnd % 2 == 0 else ("direct", "gateway"):
@@ -337,10 +338,8 @@ def _ms(x: float | None) -> float | None:
 
 async def throughput(fleet: Fleet, episodes: int, seconds: float) -> dict:
     done = 0
-    limits = httpx.Limits(max_connections=2 * episodes, max_keepalive_connections=2 * episodes)
     stop = time.monotonic() + seconds
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http, \
-            AsyncRolloutClient(fleet.redis_url, NAMESPACE) as client:
+    async with engine_client(600) as http, AsyncRolloutClient(fleet.redis_url, NAMESPACE) as client:
         bases = [await client.open_episode({
             "session_id": f"tp-{i}", "workload": "agentic", "max_tokens": 1, "max_turns": 1000,
             "metadata": {"sim_output_tokens": 1}}, fleet.gateway_url) for i in range(episodes)]
