@@ -66,6 +66,16 @@ class AlphaLoop:
         else:
             # (capped: the ledger holds open_alpha while admission was open)
             first = min(view.alpha, cfg.aimd.alpha_max) if view.alpha > 0 else 1.0
+            if first == 1.0 and reserved == 0 and self.predictions.cold and not view.shared:
+                # A backend that starts with the run (the ledger's registration α, nothing
+                # reserved) while no workload has learned its lengths: every charge sits at
+                # its length cap, several times what sessions end up holding, and at α = 1
+                # the fleet starts a fraction full and fills over seconds of heartbeats while
+                # a router sends everything at once. It starts at the guard instead; the loop
+                # takes over at its first heartbeat (docs/results/misa-t.md §14). Not on an
+                # engine other namespaces share: there each job's part holds only while its
+                # reservations bind (as for open admission, `ledger_alpha`).
+                first = cfg.aimd.alpha_max
         alpha = self.alpha.setdefault(b, first)
         calm_since = self._calm_since.setdefault(b, now)
         hb = view.telemetry

@@ -41,6 +41,12 @@ class Predictions:
         # Recalled completions of workloads without a model yet (`recall`): they need its caps.
         self._recalled: dict[str, list[Completion]] = {}
 
+    @property
+    def cold(self) -> bool:
+        """Whether no workload has learned its turn lengths yet (recalled completions count):
+        every charge then sits at its length cap."""
+        return not any(m.turn_output.warm for m in self.models.values()) and not self._recalled
+
     def model(self, workload: str, max_tokens: int, max_turns: int) -> WorkloadModel:
         """The workload's model, seeded from these caps if it is the first session seen, and
         from the completions recalled for it."""

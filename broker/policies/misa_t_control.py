@@ -34,7 +34,8 @@ from broker.policies.base import Telemetry
 @dataclass(frozen=True, slots=True)
 class AimdParams:
     # Charges are expected *final* contexts (misa_t.py), so α = 1 (the ledger's α of a new
-    # backend, where the loop starts) means "the expected peak of everything admitted fits".
+    # backend, where the loop starts, except in a cold start: misa_t_alpha.py) means "the
+    # expected peak of everything admitted fits".
     alpha_min: float = 0.6  # a preempting backend still admits once its ledger drains this far
     # Not a limit the loop aims at: a guard against a ratio measured on a backend whose few
     # sessions have barely started (ρ near 0 asks for an unbounded α). It does bind in cold

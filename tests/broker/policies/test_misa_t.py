@@ -191,6 +191,35 @@ def test_usage_ratio_follows_what_the_engine_holds_per_token_charged() -> None:
     assert p.ceiling(0.001) == p.alpha_max  # a guard, not a target
 
 
+def test_a_cold_fleet_starts_at_the_guard_a_warm_or_loaded_one_at_the_ledgers_alpha() -> None:
+    """At the start of a run (the ledger's registration α of 1, nothing reserved, no lengths
+    learned: charges at the caps, 1,100 each) α starts at alpha_max, so the first call admits
+    up to 4·C of cap charges; a policy that recalled an earlier run's lengths, and a backend
+    that already holds reservations (a restarted broker), start from the ledger's α."""
+    p = AimdParams()
+    items = [pending(f"p{i}", at=float(i)) for i in range(400)]
+    mix = {"rlhf": 0.5, "agentic": 0.5}  # a multi-turn workload keeps admission closed
+    agentic = pending("g", workload="agentic", max_turns=4, at=500.0)
+
+    cold = make_policy("misa_t")
+    d = cold.decide(snap([view("a")], [*items, agentic], target=mix))
+    assert d.alpha["a"] == p.alpha_max
+    charged = sum(a.reserved_tokens for a in d.admissions)
+    assert 3 * CAP < charged <= p.alpha_max * CAP
+
+    warm = make_policy("misa_t")
+    warm.recall([completion(f"c{i}", out=100) for i in range(32)])
+    d = warm.decide(snap([view("a")], [*items, agentic], target=mix))
+    assert d.alpha.get("a", 1.0) == 1.0
+    assert sum(a.reserved_tokens for a in d.admissions) <= CAP
+
+    restarted = make_policy("misa_t")
+    d = restarted.decide(snap([view("a", resident("r", reserved=50_000))],
+                              [*items, agentic], target=mix))
+    assert d.alpha.get("a", 1.0) == 1.0
+    assert 50_000 + sum(a.reserved_tokens for a in d.admissions) <= CAP
+
+
 def test_alpha_overbooks_until_the_engine_reports_its_target_usage() -> None:
     """Reservations twice what the engine holds: α rises to about kv_target/ρ (1.94), far past
     1, and admissions follow; the same engine at 95% never lets α grow."""
@@ -224,13 +253,15 @@ def test_alpha_overbooks_until_the_engine_reports_its_target_usage() -> None:
 
 def learned(policy, *, workload="rlhf", max_turns=1, ratio=0.5, n=16, turns=1) -> None:
     """n sessions admitted at t=0 at the cap (charge 1,100, nothing learned yet), finished at
-    t=10 holding `ratio` of that charge over their residency (kv_token_seconds)."""
+    t=10 holding `ratio` of that charge over their residency (kv_token_seconds). They run on
+    backend "w", which the callers' own steps leave alone: a backend first seen while nothing
+    is learned starts at the guard (the cold start), one first seen after it at the ledger's α."""
     items = [pending(f"l{i}", workload=workload, max_turns=max_turns) for i in range(n)]
-    d = policy.decide(snap([view("a")], items, target={workload: 1.0}))
+    d = policy.decide(snap([view("w")], items, target={workload: 1.0}))
     assert [a.reserved_tokens for a in d.admissions] == [1100] * n
     done = [completion(f"l{i}", workload=workload, turns=turns, duration=10.0,
                        kv_s=ratio * 1100 * 10.0) for i in range(n)]
-    policy.decide(snap([view("a")], now=10.0, done=done, target={workload: 1.0}))
+    policy.decide(snap([view("w")], now=10.0, done=done, target={workload: 1.0}))
 
 
 def test_held_per_charged_is_learned_from_single_turn_sessions_over_their_residency() -> None:
