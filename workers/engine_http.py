@@ -18,7 +18,6 @@ not used: engines are reached directly.
 
 from __future__ import annotations
 
-import asyncio
 
 import aiohttp
 import httpx
@@ -64,8 +63,6 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                                                   "reason_phrase": (r.reason or "").encode()})
         except aiohttp.ClientError as exc:
             raise _as_httpx(exc, request) from exc
-        except asyncio.TimeoutError as exc:  # a read that outlived its timeout
-            raise httpx.ReadTimeout(f"no reply in {t.get('read')}s", request=request) from exc
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -60,23 +60,9 @@ class AlphaLoop:
         is fresh); the loop reads ρ_b scaled by `growth` (`Residency.growth`)."""
         cfg = self.config
         b = view.backend_id
-        # A restarted broker resumes from the ledger's α; without AIMD α is a constant.
-        if not cfg.adaptive_admission:
-            first = 1.0  # the ledger's own meaning: reservations may reach C_b
-        else:
-            # (capped: the ledger holds open_alpha while admission was open)
-            first = min(view.alpha, cfg.aimd.alpha_max) if view.alpha > 0 else 1.0
-            if first == 1.0 and reserved == 0 and self.predictions.cold and not view.shared:
-                # A backend that starts with the run (the ledger's registration α, nothing
-                # reserved) while no workload has learned its lengths: every charge sits at
-                # its length cap, several times what sessions end up holding, and at α = 1
-                # the fleet starts a fraction full and fills over seconds of heartbeats while
-                # a router sends everything at once. It starts at the guard instead; the loop
-                # takes over at its first heartbeat (docs/results/misa-t.md §14). Not on an
-                # engine other namespaces share: there each job's part holds only while its
-                # reservations bind (as for open admission, `ledger_alpha`).
-                first = cfg.aimd.alpha_max
-        alpha = self.alpha.setdefault(b, first)
+        alpha = self.alpha.get(b)
+        if alpha is None:
+            alpha = self._first_alpha(view, reserved)
         calm_since = self._calm_since.setdefault(b, now)
         hb = view.telemetry
         if fresh:
@@ -99,6 +85,26 @@ class AlphaLoop:
             alpha = min(cfg.aimd.alpha_max,
                         max(cfg.aimd.alpha_min, reserved / view.capacity_tokens, alpha))
         self.alpha[b] = alpha
+
+    def _first_alpha(self, view: BackendView, reserved: float) -> float:
+        """α of a backend the loop has not seen: a restarted broker resumes from the ledger's
+        (capped: the ledger holds open_alpha while admission was open); without AIMD α is the
+        ledger's own meaning, reservations may reach C_b."""
+        cfg = self.config
+        if not cfg.adaptive_admission:
+            return 1.0
+        first = min(view.alpha, cfg.aimd.alpha_max) if view.alpha > 0 else 1.0
+        if first == 1.0 and reserved == 0 and self.predictions.cold and not view.shared:
+            # A backend that starts with the run (the ledger's registration α, nothing
+            # reserved) while no workload has learned its lengths: every charge sits at its
+            # length cap, several times what sessions end up holding, and at α = 1 the fleet
+            # starts a fraction full and fills over seconds of heartbeats while a router sends
+            # everything at once. It starts at the guard instead; the loop takes over at its
+            # first heartbeat (docs/results/misa-t.md §14). Not on an engine other namespaces
+            # share: there each job's part holds only while its reservations bind (as for open
+            # admission, `ledger_alpha`).
+            return cfg.aimd.alpha_max
+        return first
 
     def ledger_alpha(self, view: BackendView) -> float:
         """The α the ledger holds for a backend: `open_alpha` while admission is open, else
