@@ -122,12 +122,13 @@ def fleet(residents: list[tuple[ResidentSession, ...]], beats: list[float], alph
 
 
 def warm(policy: Policy, pending, rng: random.Random, backends: int) -> None:
-    """Let the policy see every workload once and learn from 200 completions."""
-    empty = fleet([()] * backends, [0.0] * backends, {})
+    """Let the policy see every workload once and learn from 200 completions, with no backend
+    in sight: a backend MISA-T first sees while nothing is learned starts at α's guard (a cold
+    start), and the steady state measured here is that of a fleet met with warm predictors."""
     small = {w: items[:1] for w, items in pending.items()}
-    policy.decide(Snapshot(now=0.0, pending=small, backends=empty, mixture_target=MIX, consumed={}))
+    policy.decide(Snapshot(now=0.0, pending=small, backends=(), mixture_target=MIX, consumed={}))
     done = tuple(completion(i, rng) for i in range(200))
-    policy.decide(Snapshot(now=0.0, pending={}, backends=empty, mixture_target=MIX, consumed={},
+    policy.decide(Snapshot(now=0.0, pending={}, backends=(), mixture_target=MIX, consumed={},
                            new_completions=done))
 
 
