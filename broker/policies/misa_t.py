@@ -31,10 +31,12 @@ Each `decide(snapshot)`:
    fitting it for itself within the call (others place elsewhere), so the room freed there
    accumulates for it instead of being lent on to smaller sessions for good. An oldest session
    that names a model or an adapter blocks only the backends it may run on.
-5. Admit, most under-served workload first, each workload oldest first: a GRPO group goes
-   whole to one backend when it fits; otherwise each member (and any single session) goes to
-   the backend with the longest cached-prefix match among those within `locality_slack` of
-   the least-utilised, ties by headroom. A backend takes a session only while its reservations
+5. Admit, most under-served workload first, each workload oldest first, a GRPO group member
+   by member: each goes to the backend with the longest cached-prefix match among those within
+   `locality_slack` of the least-utilised and the balance slack of the least loaded, ties by
+   headroom, so a group follows its prompt while that backend's batch stays in balance. While
+   every first turn waiting fits in the caches' free KV, a match shorter than the session's
+   learned output does not count. A backend takes a session only while its reservations
    fit α_b·C_b. Follow-up turns (`turn > 0`) go home unconditionally.
 
 Switches (`MisaTConfig`) turn off each mechanism; the ablations `misa_t-admission`,

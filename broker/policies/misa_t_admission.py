@@ -91,6 +91,7 @@ class AdmissionRound:
     # Per backend id: the adapters its sessions hold, with this call's placements (made on
     # first use: only calls that place adapter sessions pay for it).
     adapters: dict[str, set[str]] | None = None
+    kv_to_spare: bool = False  # every first turn waiting fits in the caches' free KV (`run`)
 
     def __post_init__(self) -> None:
         self.running = self.accounted.running
@@ -100,6 +101,7 @@ class AdmissionRound:
         if not fresh:
             return
         cfg = self.config
+        self.kv_to_spare = cfg.prefix_placement and self._all_fit(fresh)
         quota: dict[str, float] = {}
         pacer = None
         if cfg.workload_allocation:
@@ -133,6 +135,17 @@ class AdmissionRound:
             if items:
                 fresh[w] = items
         return fresh
+
+    def _all_fit(self, fresh: Mapping[str, Sequence[PendingItem]]) -> bool:
+        """Whether the first turns waiting would all fit in the KV the healthy backends' caches
+        have free (their own size, whatever α allows), each workload's charged as its oldest
+        is: then no session of this call waits for KV, and blocks a shared prompt saves are
+        not scarce."""
+        demand = sum(len(items) * self.predictions.charge(items[0]) for items in fresh.values())
+        free = 0.0
+        for b in self.accounted.placement.backends:
+            free += max(0.0, b.view.capacity_tokens - b.reserved)
+        return demand <= free
 
     def _fill(self, fresh: Mapping[str, Sequence[PendingItem]], quota: Mapping[str, float],
               pacer: CompletionPacer | None) -> None:
@@ -259,11 +272,19 @@ class AdmissionRound:
         taken, charged = 0, 0.0
         fed: dict[str, float] = {}  # per backend: KV tokens the group's placements allocate there
         predict = self.predictions
+        # Where KV is to spare, a cached prefix shorter than a member's learned output saves
+        # less prefill than following it piles decode on one engine (a sync step waits for
+        # that engine): it does not count. Where sessions wait for KV, the prompt's shared
+        # blocks are what is scarce, and every match counts; so it does while lengths are not
+        # learned (charged at their cap).
+        min_hit = 0.0
+        if key is not None and self.kv_to_spare:
+            min_hit = predict.learned_output(head) or 0.0
         for it in group:
             ch = need if it is head or predict.same_charge(it, head) else predict.charge(it)
             if it is not head and it.adapter is not None:
                 pool = self._eligible(it, pool)  # the head's placement may have taken a slot
-            target, hit = self._choose(pool, ch, hits)
+            target, hit = self._choose(pool, ch, hits, min_hit)
             if target is None:
                 break
             self._place(it, target, ch)
@@ -282,15 +303,15 @@ class AdmissionRound:
             self.prefix.insert(key, b, tokens)
         return taken, charged
 
-    def _choose(self, pool: Pool, charge: float,
-                hits: Hits | None) -> tuple[BackendState | None, int]:
+    def _choose(self, pool: Pool, charge: float, hits: Hits | None,
+                min_hit: float = 0.0) -> tuple[BackendState | None, int]:
         """The backend for `charge` tokens, and how much of the key of `hits` it probably
         caches: balance first (KV use, then running sessions), then the longest cached prefix,
         then headroom (misa_t_placement.py)."""
         cfg = self.config
         run_slack = max(cfg.balance_slack_sessions,
                         cfg.balance_slack_frac * self.running / self.accounted.healthy)
-        return self.accounted.placement.choose(pool, charge, hits, run_slack)
+        return self.accounted.placement.choose(pool, charge, hits, run_slack, min_hit)
 
     def _place(self, item: PendingItem, target: BackendState, charge: float) -> None:
         """Admit `item` to `target` (`_place_group` records in the prefix index where it placed

@@ -76,6 +76,12 @@ class Predictions:
         model = self.model(s.workload, s.max_tokens, s.max_turns)
         return min(s.max_tokens, self._turn_end(model, 0.0))
 
+    def learned_output(self, s: PendingItem) -> float | None:
+        """`admission_output(s)` once the workload has learned its turn lengths; None while
+        it is charged at its cap."""
+        model = self.model(s.workload, s.max_tokens, s.max_turns)
+        return self.admission_output(s) if model.turn_output.warm else None
+
     def turn_output(self, session: ResidentSession, turn_index: int, progress: int) -> float:
         """Where the running turn is expected to end, given `progress` tokens so far."""
         model = self.model(session.workload, session.max_tokens, session.max_turns)

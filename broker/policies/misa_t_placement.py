@@ -5,7 +5,9 @@ The rule (`Placement.choose`): among the backends of the pool whose reservations
 charge under α·C, keep those within `locality_slack` of the least-utilised (reserved over the
 cache's own size), and of those the ones within `run_slack` sessions of the least loaded in
 running sessions; pick the longest cached-prefix match, then the most headroom, then the first
-in fleet order.
+in fleet order. A match shorter than the caller's `min_hit` does not count (MISA-T sets it
+where following a short shared prompt would pile decode on one engine and save nothing
+scarce: misa_t_admission.py).
 
 It runs once per admission, a hundred or more times per call at a few hundred backends. Two
 evaluations of the same rule: loops over the pool's backends (cheapest for small fleets), and,
@@ -199,15 +201,17 @@ class Placement:
             fits &= pool.mask
         return fits
 
-    def choose(self, pool: Pool, charge: float, hits: Hits | None,
-               run_slack: float) -> tuple[BackendState | None, int]:
-        """The backend for `charge` tokens and how much of the prefix it probably caches."""
+    def choose(self, pool: Pool, charge: float, hits: Hits | None, run_slack: float,
+               min_hit: float = 0.0) -> tuple[BackendState | None, int]:
+        """The backend for `charge` tokens and how much of the prefix it probably caches. A
+        cached prefix shorter than `min_hit` tokens does not count toward the choice."""
         if self._arrays:
-            return self._choose_arrays(pool, charge, hits, run_slack)
-        return self._choose_loops(pool.members, charge, hits.by_id if hits else None, run_slack)
+            return self._choose_arrays(pool, charge, hits, run_slack, min_hit)
+        return self._choose_loops(pool.members, charge, hits.by_id if hits else None, run_slack,
+                                  min_hit)
 
     def _choose_loops(self, backends: list[BackendState], charge: float,
-                      matched: Mapping[str, int] | None, run_slack: float
+                      matched: Mapping[str, int] | None, run_slack: float, min_hit: float
                       ) -> tuple[BackendState | None, int]:
         fits = []
         low = math.inf
@@ -228,18 +232,18 @@ class Placement:
                 if b.running < least:
                     least = b.running
         run_floor = least + run_slack
-        best, best_rank = None, None
+        best, best_rank, best_hit = None, None, 0
         for b in near:
             if b.running > run_floor:
                 continue
             hit = matched.get(b.view.backend_id, 0) if matched else 0
-            rank = (hit, b.limit - b.reserved)
+            rank = (hit if hit >= min_hit else 0, b.limit - b.reserved)
             if best_rank is None or rank > best_rank:
-                best, best_rank = b, rank
-        return best, best_rank[0]
+                best, best_rank, best_hit = b, rank, hit
+        return best, best_hit
 
     def _choose_arrays(self, pool: Pool, charge: float, hits: Hits | None,
-                       run_slack: float) -> tuple[BackendState | None, int]:
+                       run_slack: float, min_hit: float) -> tuple[BackendState | None, int]:
         # The same rule as the loops, in as few whole-array operations as it takes (each costs
         # one to three microseconds at a few hundred backends, more than the arithmetic).
         room, util, running = self._room, self._util, self._running
@@ -253,10 +257,12 @@ class Placement:
         least = _lowest(running[near])
         candidate = np.less_equal(running, least + run_slack, out=self._candidate)
         candidate &= near
-        if hits is not None and hits.array is not None:
-            # The longest match among the candidates, then the most room, then the first.
-            best_hit = _highest(hits.array[candidate])
-            if best_hit > 0:
-                candidate &= hits.array == best_hit
-                return self.backends[int(np.where(candidate, room, -np.inf).argmax())], int(best_hit)
-        return self.backends[int(np.where(candidate, room, -np.inf).argmax())], 0
+        if hits is None or hits.array is None:
+            return self.backends[int(np.where(candidate, room, -np.inf).argmax())], 0
+        # The longest match among the candidates (if it counts), then the most room, then the
+        # first.
+        best_hit = _highest(hits.array[candidate])
+        if best_hit > 0 and best_hit >= min_hit:
+            candidate &= hits.array == best_hit
+        i = int(np.where(candidate, room, -np.inf).argmax())
+        return self.backends[i], int(hits.array[i])

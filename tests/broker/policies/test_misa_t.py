@@ -786,6 +786,38 @@ def test_new_session_follows_its_cached_prefix_and_followups_stay_home() -> None
     assert [(a.session_id, a.backend_id) for a in d.admissions] == [("s1", other)]
 
 
+def _place_group(prompt: int, *, held: int = 0, learned: bool = True) -> list[str]:
+    """Where MISA-T puts an rlvr GRPO group of 4 (outputs of ~4,000 tokens, learned from the
+    namespace's history, one shared prompt of `prompt` tokens) on four backends, each already
+    charged `held`."""
+    policy = make_policy("misa_t")
+    if learned:
+        policy.recall([completion(f"c{i}", workload="rlvr", out=4000) for i in range(20)])
+    shared = tuple(range(prompt))
+    group = [pending(f"g-{i}", workload="rlvr", group="g", size=4, prompt=prompt, prefix=shared,
+                     max_tokens=8192) for i in range(4)]
+    backends = [view(b, *([resident(f"{b}-r", workload="rlvr", reserved=held, max_tokens=8192)]
+                          if held else ())) for b in "abcd"]
+    d = policy.decide(snap(backends, group, target={"rlvr": 1.0}))
+    assert len(d.admissions) == 4
+    return [a.backend_id for a in d.admissions]
+
+
+def test_a_group_follows_its_prefix_only_where_that_saves_more_than_it_decodes() -> None:
+    # A 150-token prompt against ~4,000 tokens of output each: the members' decodes would pile
+    # on one engine for a prefill a fraction of one of them, so they spread while KV is spare.
+    assert _place_group(150) == ["a", "b", "c", "d"]
+    # A 6,000-token shared prompt is worth more than the output: they follow it, within the
+    # balance slack of one running session.
+    assert _place_group(6000) == ["a", "a", "b", "b"]
+    # Where the four would not all fit in the caches' free KV (3,000 tokens free on each, a
+    # member charged ~4,150), the shared prompt's blocks are what is scarce: it counts again.
+    assert _place_group(150, held=CAP - 3000) == ["a", "a", "b", "b"]
+    assert _place_group(150, held=CAP - 5000) == ["a", "b", "c", "d"]  # (20,000 free: they fit)
+    # Before any length is learned the outputs are known only by their cap: the prefix counts.
+    assert _place_group(150, learned=False) == ["a", "a", "b", "b"]
+
+
 def test_prefix_index_matches_by_landmark_and_forgets_after_a_cache_of_churn() -> None:
     index = PrefixIndex()
     index.sync_backend("a", 1000)

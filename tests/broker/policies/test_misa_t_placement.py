@@ -36,18 +36,19 @@ def test_loops_and_arrays_choose_the_same_backend_through_a_call(seed):
     pool_a = arrays.pool([twins[i] for i in held])
     chosen = 0
     hits_l = hits_a = None
-    charge, run_slack = 500.0, 1.0
+    charge, run_slack, min_hit = 500.0, 1.0, 0.0
     for _ in range(600):
         if rng.random() < 0.4:  # a new key (else the group's next member: same key and charge)
             charge = rng.choice((500.0, 4_000.0, 20_000.0, rng.uniform(1, 80_000)))
             run_slack = rng.choice((0.0, 1.0, 2.5, 6.0))
+            min_hit = rng.choice((0.0, 0.0, 1024.0, 3000.0))
             matched = (None if rng.random() < 0.3 else
                        {f"b{i}": rng.choice((16, 1024, 4096)) for i in rng.sample(range(n), rng.randrange(n + 1))}
                        | ({"gone": 64} if rng.random() < 0.1 else {}))
             hits_l = loops.hits(matched) if matched is not None else None
             hits_a = arrays.hits(matched) if matched is not None else None
-        a, hit_a = loops.choose(pool_l, charge, hits_l, run_slack)
-        b, hit_b = arrays.choose(pool_a, charge, hits_a, run_slack)
+        a, hit_a = loops.choose(pool_l, charge, hits_l, run_slack, min_hit)
+        b, hit_b = arrays.choose(pool_a, charge, hits_a, run_slack, min_hit)
         assert (a.view.backend_id if a else None, hit_a) == (b.view.backend_id if b else None, hit_b)
         assert loops.fits(pool_l, charge) is arrays.fits(pool_a, charge) is (a is not None)
         kept_l, kept_a = loops.most_room(pool_l, charge), arrays.most_room(pool_a, charge)
