@@ -173,7 +173,7 @@ class _Plans:
     def _fetch(self, count: int, block_ms: int | None) -> Plan[int]:
         start, block = self._cursor.read_args(block_ms)
         read = Cmd("xreadgroup", (TRAINER_GROUP, self.consumer, {self.keys.results: start}),
-                   {"count": count, "block": block})
+                   {"count": count, "block": block}, once=True)
         try:
             # Delivery is a write too: results are handed on only once replicas hold them
             # (and their delivery), so a failover never brings a handed result back.

@@ -28,13 +28,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
 
-from broker.redis_conn import Durability, NotReplicatedError, Outage, is_outage
+from broker.redis_conn import Durability, NotReplicatedError, Outage, is_outage, single_attempt
 from broker.scripts import SCRIPT_NAMES, Scripts, script_source
 
 T = TypeVar("T")
@@ -42,11 +43,14 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Cmd:
-    """One Redis command: the redis-py method `name` called with `args` and `kwargs`."""
+    """One Redis command: the redis-py method `name` called with `args` and `kwargs`. `once`:
+    not sent again after a lost reply (a read that delivers: broker.redis_conn.single_attempt);
+    its round trip raises instead."""
 
     name: str
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    once: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +139,13 @@ def ensure_group(stream: str, group: str, start_id: str = "0") -> Plan[None]:
             raise
 
 
+def _attempts(step: Batch) -> AbstractContextManager:
+    """A batch holding a `once` command is sent once."""
+    if any(isinstance(c, Cmd) and c.once for c in step.calls):
+        return single_attempt()
+    return nullcontext()
+
+
 class Runner:
     """Runs plans on a blocking client; `outage` paces the waits of `Guard` steps."""
 
@@ -169,12 +180,13 @@ class Runner:
 
     def _step(self, step: Step) -> Any:
         if isinstance(step, Batch):
-            if step.single and not step.transaction:
-                return self._call(self.client, step.calls[0])
-            pipe = self.client.pipeline(transaction=step.transaction)
-            for c in step.calls:
-                self._call(pipe, c)
-            replies = pipe.execute()
+            with _attempts(step):
+                if step.single and not step.transaction:
+                    return self._call(self.client, step.calls[0])
+                pipe = self.client.pipeline(transaction=step.transaction)
+                for c in step.calls:
+                    self._call(pipe, c)
+                replies = pipe.execute()
             return replies[0] if step.single else replies
         if isinstance(step, Sleep):
             time.sleep(step.seconds)
@@ -233,12 +245,13 @@ class AsyncRunner:
 
     async def _step(self, step: Step) -> Any:
         if isinstance(step, Batch):
-            if step.single and not step.transaction:
-                return await self._call(self.client, step.calls[0])
-            pipe = self.client.pipeline(transaction=step.transaction)
-            for c in step.calls:
-                await self._queue(pipe, c)
-            replies = await pipe.execute()
+            with _attempts(step):
+                if step.single and not step.transaction:
+                    return await self._call(self.client, step.calls[0])
+                pipe = self.client.pipeline(transaction=step.transaction)
+                for c in step.calls:
+                    await self._queue(pipe, c)
+                replies = await pipe.execute()
             return replies[0] if step.single else replies
         if isinstance(step, Sleep):
             await asyncio.sleep(step.seconds)

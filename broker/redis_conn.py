@@ -11,7 +11,11 @@ Two layers, both redis-py's own machinery plus one small tracker:
   about half a second of Redis answering.
 
 Every script and write the loops repeat is idempotent (scripts check state before they change
-it; see broker/lua/), so a command that ran but whose reply was lost may run again safely.
+it; see broker/lua/), so a command that ran but whose reply was lost may run again safely. One
+command is not: a consumer-group read of new entries (XREADGROUP '>') delivers them, so sent
+again after its reply was lost it returns the next ones, and those it delivered wait unseen in
+the reader's pending list. Such reads run in `single_attempt()`: the error reaches the reader,
+who reads its pending list again (`broker.streams.BacklogCursor`; the broker takes over anew).
 
 Redis Sentinel: a URL `redis+sentinel://[[user]:password@]host1:26379,host2:26379/<service>[/<db>]`
 gives a client of `Sentinel(...).master_for(service)`, which asks the sentinels where the primary
@@ -26,7 +30,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
@@ -224,6 +230,46 @@ def durability(url: str) -> Durability:
     return parse_redis_url(url).durability
 
 
+_SINGLE_ATTEMPT: ContextVar[bool] = ContextVar("rb_single_attempt", default=False)
+
+
+@contextmanager
+def single_attempt() -> Iterator[None]:
+    """Within it (this thread or asyncio task), a command whose connection fails is not sent
+    again by redis-py: the error reaches the caller (see the module docstring)."""
+    token = _SINGLE_ATTEMPT.set(True)
+    try:
+        yield
+    finally:
+        _SINGLE_ATTEMPT.reset(token)
+
+
+def _retry_allowed(_error: Exception) -> bool:
+    return not _SINGLE_ATTEMPT.get()
+
+
+class _Retry(Retry):
+    """redis-py's Retry, off within `single_attempt()`: connections call it through
+    `is_retryable`, a cluster client asks `get_retries()` (each connection holds a deep copy,
+    so the switch lives outside the object)."""
+
+    def __init__(self, backoff_: Any, retries: int) -> None:
+        super().__init__(backoff_, retries, is_retryable=_retry_allowed)
+
+    def get_retries(self) -> int:
+        return super().get_retries() if _retry_allowed(None) else 0
+
+
+class _AsyncRetry(AsyncRetry):
+    """`_Retry` for asyncio clients."""
+
+    def __init__(self, backoff_: Any, retries: int) -> None:
+        super().__init__(backoff_, retries, is_retryable=_retry_allowed)
+
+    def get_retries(self) -> int:
+        return super().get_retries() if _retry_allowed(None) else 0
+
+
 def backoff() -> ExponentialWithJitterBackoff:
     return ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S)
 
@@ -290,7 +336,7 @@ def connect(url: str, **kwargs) -> redis.Redis:
     """A client for `url` that retries connection errors and timeouts a few times itself;
     with a Sentinel URL, one of the service's current primary."""
     target = parse_redis_url(url)
-    opts = _options(Retry(backoff(), CONNECTION_RETRIES), {**target.options, **kwargs})
+    opts = _options(_Retry(backoff(), CONNECTION_RETRIES), {**target.options, **kwargs})
     if target.cluster is not None:
         return cluster_client(target.cluster, **opts)
     if not target.sentinel:
@@ -303,7 +349,7 @@ def connect(url: str, **kwargs) -> redis.Redis:
 def connect_async(url: str, **kwargs) -> aioredis.Redis:
     """`connect`'s client for asyncio (it connects on first use)."""
     target = parse_redis_url(url)
-    opts = _options(AsyncRetry(backoff(), CONNECTION_RETRIES), {**target.options, **kwargs})
+    opts = _options(_AsyncRetry(backoff(), CONNECTION_RETRIES), {**target.options, **kwargs})
     if target.cluster is not None:
         return cluster_client_async(target.cluster, **opts)
     if not target.sentinel:

@@ -61,7 +61,7 @@ from broker.snapshot import (
     read_fleet,
     resident_meta,
 )
-from broker.streams import as_text, ensure_group
+from broker.streams import as_text, ensure_group, read_group
 from broker.weights import WeightsState
 
 log = logging.getLogger("rollout_broker.broker")
@@ -338,8 +338,9 @@ class BrokerService:
             if len(self._back.get(w, ())) < self.settings.buffer:
                 streams[self.keys.pending(w)] = ">"
         block_ms = max(1, int(self.lease.renew_interval_s * 1000)) if block else None
-        reply = self._client.xreadgroup(BROKER_GROUP, self.consumer, streams,
-                                        count=self.settings.read_count, block=block_ms)
+        # (a lost reply raises: run() takes over again, which claims what it delivered)
+        reply = read_group(self._client, BROKER_GROUP, self.consumer, streams,
+                           self.settings.read_count, block_ms)
         events: list[bytes] = []
         read: list[tuple[str, bool, bytes]] = []
         fields_read: list[Mapping] = []

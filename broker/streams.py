@@ -1,5 +1,5 @@
-"""Small Redis helpers every client of the key schema shares: reply text, consumer groups, and
-the backlog-first cursor of a consumer that may have crashed."""
+"""Small Redis helpers every client of the key schema shares: reply text, consumer groups, the
+group read, and the backlog-first cursor of a consumer that may have crashed."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import redis
 
 from broker import plans
 from broker.plans import Runner
+from broker.redis_conn import single_attempt
 
 
 def as_text(reply: object) -> str:
@@ -19,6 +20,15 @@ def as_text(reply: object) -> str:
 def ensure_group(client: redis.Redis, stream: str, group: str, start_id: str = "0") -> None:
     """Create consumer group `group` on `stream` (and the stream); one that exists is kept."""
     Runner(client).run(plans.ensure_group(stream, group, start_id))
+
+
+def read_group(client: redis.Redis, group: str, consumer: str, streams: dict[str, str],
+               count: int, block: int | None) -> list:
+    """XREADGROUP, sent once: a lost reply raises (to the reader, who reads its backlog
+    again) instead of being sent again, which would leave what it delivered unseen
+    (`broker.redis_conn.single_attempt`)."""
+    with single_attempt():
+        return client.xreadgroup(group, consumer, streams, count=count, block=block)
 
 
 class BacklogCursor:

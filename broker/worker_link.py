@@ -47,7 +47,7 @@ from broker.queue import with_bodies
 from broker.redis_conn import connect, durability, is_outage
 from broker.scripts import Scripts
 from broker.session import Session, SessionResult, SessionState
-from broker.streams import BacklogCursor, as_text
+from broker.streams import BacklogCursor, as_text, read_group
 from broker.weights import PAUSED_EVENTS_MAXLEN, WeightsState, read_state
 
 
@@ -168,8 +168,8 @@ class WorkerLink:
         backlog = not self._cursor.done
         start, block = self._cursor.read_args(block_ms)
         try:
-            reply = self._client.xreadgroup(WORKERS_GROUP, self.backend_id, {stream: start},
-                                            count=count, block=block)
+            reply = read_group(self._client, WORKERS_GROUP, self.backend_id, {stream: start},
+                               count, block)
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise

@@ -7,6 +7,9 @@ proxy's address; then, while traffic flows:
   kept: a chunk never overtakes the one before it);
 - `reset()`: every open connection is closed with a TCP RST (SO_LINGER 0), as a middlebox that
   drops its state does; new connections work;
+- `lose_reply(containing)`: the next reply chunk (upstream to client) holding those bytes is
+  dropped and its connection reset: the request ran upstream, its answer never arrived. A
+  client that sends the request again on a new connection runs it twice;
 - `blackhole(True)`: nothing is delivered either way, on open connections and on new ones
   (they are accepted, then nothing); no connection is closed. A connection that stops
   answering without closing. What was sent meanwhile is delivered when it ends, as TCP's
@@ -32,6 +35,8 @@ class _State:
     latency_s: float = 0.0
     jitter_s: float = 0.0
     healed: asyncio.Event = field(default_factory=asyncio.Event)  # set unless blackholed
+    lose: bytes | None = None  # the next reply chunk holding these bytes is lost
+    lost: int = 0  # replies lost so far
 
 
 class FaultProxy:
@@ -58,6 +63,15 @@ class FaultProxy:
         def apply() -> None:
             (self._state.healed.clear if on else self._state.healed.set)()
         self._loop.call_soon_threadsafe(apply)
+
+    def lose_reply(self, containing: bytes) -> None:
+        async def arm() -> None:  # (in force when this returns)
+            self._state.lose = containing
+        self._call(arm())
+
+    @property
+    def lost_replies(self) -> int:
+        return self._state.lost
 
     def reset(self) -> int:
         """RST every open connection; returns how many."""
@@ -107,7 +121,8 @@ class FaultProxy:
                 return
             self._writers.add(up_w)
             try:
-                await asyncio.gather(self._pipe(client_r, up_w), self._pipe(up_r, client_w))
+                await asyncio.gather(self._pipe(client_r, up_w),
+                                     self._pipe(up_r, client_w, replies=True))
             finally:
                 self._writers.discard(up_w)
                 up_w.close()
@@ -115,9 +130,11 @@ class FaultProxy:
             self._writers.discard(client_w)
             client_w.close()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Copy one direction, chunk by chunk, delayed and held as the faults say; at EOF or an
-        error on either side, close the other side too."""
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    replies: bool = False) -> None:
+        """Copy one direction (`replies`: upstream to client), chunk by chunk, delayed, held
+        and lost as the faults say; at EOF or an error on either side, close the other side
+        too."""
         state = self._state
         due = 0.0  # when the previous chunk went out: order is kept
         try:
@@ -129,6 +146,11 @@ class FaultProxy:
                 if due > loop.time():
                     await asyncio.sleep(due - loop.time())
                 await state.healed.wait()
+                if replies and state.lose is not None and state.lose in chunk:
+                    state.lose = None
+                    state.lost += 1
+                    _abort(writer)
+                    return
                 writer.write(chunk)
                 await writer.drain()
             if writer.can_write_eof():

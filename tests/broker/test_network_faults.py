@@ -14,7 +14,7 @@ from broker.client import RolloutClient
 from broker.keys import Keys
 from sim.backend import SimulatedBackend
 from sim.netfault import FaultProxy
-from tests.broker.helpers import BrokerThread, make_session, published, wait_until
+from tests.broker.helpers import BrokerThread, collect, make_session, published, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -61,4 +61,41 @@ def test_a_backend_cut_off_from_redis_loses_and_duplicates_nothing(redis_url, na
     assert sorted(ids) == sorted(f"s{i}" for i in range(60))  # each once, none lost
     assert published(redis_client, Keys(namespace)) == 60
     assert redis_client.xlen(Keys(namespace).results) == 0  # all acknowledged: none published twice
+    assert all(r.status.value == "done" for r in got)
+
+
+@pytest.mark.parametrize("reader", ["worker", "broker", "trainer"])
+def test_a_read_whose_reply_is_lost_leaves_nothing_it_delivered_unseen(redis_url, namespace,
+                                                                       redis_client, reader):
+    """Each consumer-group reader (a worker its admitted sessions, the broker the queues, the
+    trainer its results) loses the reply of the read that delivers them: Redis ran it, the
+    connection was reset on the way back. Sent again, that read would deliver only what came
+    next, and these would wait in the reader's pending list for good; instead the reader
+    reads its pending list again. Every session ends once."""
+    host, port = redis_url.split("//")[1].split("/")[0].rsplit(":", 1)
+    proxy = FaultProxy(host, int(port))
+    via = {r: f"redis://127.0.0.1:{proxy.port}/0" if r == reader else redis_url
+           for r in ("worker", "broker", "trainer")}
+    backend = SimulatedBackend(via["worker"], namespace, "b0", capacity_tokens=100_000).start()
+    broker = BrokerThread(via["broker"], namespace).start()
+    client = RolloutClient(via["trainer"], namespace)
+    sessions = [make_session(i, prefix="lostreply-") for i in range(8)]
+    try:
+        assert wait_until(lambda: client.status()["backends"].get("b0", {}).get("healthy"))
+        if reader != "trainer":
+            proxy.lose_reply(containing=b"lostreply-")
+        client.enqueue(sessions)
+        if reader == "trainer":  # (its enqueue goes through the proxy too)
+            assert wait_until(lambda: redis_client.xlen(Keys(namespace).results) == 8)
+            proxy.lose_reply(containing=b"lostreply-")
+        got = collect(client, 8, timeout=30)
+        time.sleep(0.5)  # anything late would show now
+        got += client.results(8, timeout=0.2)
+        assert proxy.lost_replies == 1
+    finally:
+        broker.stop()
+        backend.stop()
+        client.close()
+        proxy.close()
+    assert sorted(r.session_id for r in got) == sorted(s.session_id for s in sessions)
     assert all(r.status.value == "done" for r in got)

@@ -20,6 +20,7 @@ from broker.redis_conn import (
     durability,
     is_outage,
     parse_redis_url,
+    single_attempt,
 )
 
 log = logging.getLogger("test.outage")
@@ -106,6 +107,23 @@ def test_connect_uses_a_bounded_retry_and_timeouts():
         client.ping()
     assert time.monotonic() - started < 5  # a few quick retries, then the caller's loop decides
     client.close()
+
+
+def test_a_single_attempt_is_not_retried_by_redis_py_but_other_commands_are():
+    """A read that delivers (XREADGROUP '>') must not be sent again after a lost reply: the
+    connections' retry (call_with_retry) and a cluster client's (get_retries) are off inside
+    `single_attempt()`, and only there."""
+    retry = connect("redis://127.0.0.1:1/0").connection_pool.connection_kwargs["retry"]
+    flaky = Flaky(1, redis.ConnectionError("reset"))
+    assert retry.call_with_retry(flaky, lambda _: None) == "ok" and flaky.calls == 2
+    assert retry.get_retries() >= 1
+    flaky = Flaky(1, redis.ConnectionError("reset"))
+    with single_attempt():
+        assert retry.get_retries() == 0
+        with pytest.raises(redis.ConnectionError):
+            retry.call_with_retry(flaky, lambda _: None)
+    assert flaky.calls == 1
+    assert retry.get_retries() >= 1  # (and on again once the block ends)
 
 
 def test_a_sentinel_url_names_the_sentinels_the_service_and_the_data_nodes_options():
