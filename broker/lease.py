@@ -56,7 +56,12 @@ class Lease:
         return self.held
 
     def renew_due(self) -> bool:
-        return time.monotonic() - self._renewed_at >= self.renew_interval_s
+        return self.renew_in_s() <= 0.0
+
+    def renew_in_s(self) -> float:
+        """Seconds until the next renewal is due (0 or less: due now). A broker waiting for
+        work waits no longer than this, so that a wait never delays a renewal."""
+        return self._renewed_at + self.renew_interval_s - time.monotonic()
 
     def release(self) -> None:
         if self.held:

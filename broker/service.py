@@ -337,7 +337,9 @@ class BrokerService:
             streams[self.keys.requeue(w)] = ">"
             if len(self._back.get(w, ())) < self.settings.buffer:
                 streams[self.keys.pending(w)] = ">"
-        block_ms = max(1, int(self.lease.renew_interval_s * 1000)) if block else None
+        # (an idle wait ends when the lease is due for renewal: a full renewal interval from
+        # here could come close to the lease's end once the round after it is slow)
+        block_ms = max(1, int(self.lease.renew_in_s() * 1000)) if block else None
         # (a lost reply raises: run() takes over again, which claims what it delivered)
         reply = read_group(self._client, BROKER_GROUP, self.consumer, streams,
                            self.settings.read_count, block_ms)

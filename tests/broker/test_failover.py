@@ -14,7 +14,7 @@ import pytest
 from sim.backend import SimulatedBackend
 from broker.client import RolloutClient
 from broker.keys import Keys
-from tests.broker.helpers import make_session, published, wait_until
+from tests.broker.helpers import BrokerThread, make_session, published, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,3 +106,29 @@ def test_entries_a_cut_off_broker_reads_after_the_takeover_are_adopted(redis_url
         service.lease.release()
         service._client.close()
         client.close()
+
+
+def test_an_idle_broker_waits_for_work_no_longer_than_until_its_lease_renewal(
+        redis_url, namespace, monkeypatch):
+    """The lease is renewed between rounds, so a broker's wait for work ends when the renewal
+    is due: waiting a full renewal interval after a round that woke mid-interval, then a slow
+    round, reached the lease's end (a CI run saw a broker of a busy process lose its lease).
+    Heartbeats wake this one every 0.1 s, mid-interval."""
+    import broker.service as service
+    waits: list[tuple[int, float]] = []  # (its BLOCK in ms, ms until the renewal was due)
+    read_group = service.read_group
+
+    def spy(client, group, consumer, streams, count, block):
+        if block is not None:
+            waits.append((block, broker.service.lease.renew_in_s() * 1000))
+        return read_group(client, group, consumer, streams, count, block)
+
+    monkeypatch.setattr(service, "read_group", spy)
+    backend = SimulatedBackend(redis_url, namespace, "b0", 1000, heartbeat_s=0.1).start()
+    broker = BrokerThread(redis_url, namespace, lease_s=3.0).start()
+    try:
+        assert wait_until(lambda: len(waits) >= 30, timeout=30)
+    finally:
+        broker.stop()
+        backend.stop()
+    assert all(block <= max(1.0, due) + 1 for block, due in waits), waits
