@@ -18,7 +18,6 @@ not used: engines are reached directly.
 
 from __future__ import annotations
 
-
 import aiohttp
 import httpx
 
