@@ -1,10 +1,11 @@
 """The broker lease: at most one active broker per namespace.
 
 `SET lease <token> NX PX <period>` acquires it; `lua/lease_renew.lua` extends it only for the
-holder (compare-and-set). A broker renews every period/3, so a live broker keeps it through two
-missed renewals; a killed one loses it after at most one period, and a standby that tries every
-period/3 takes over within 4/3 periods. The admit, reclaim and recharge scripts check the token,
-so a broker that stalled past its lease can no longer change anything (fencing).
+holder (compare-and-set). A broker renews every period/3 (between rounds; its wait for work
+ends when the renewal is due), so a live broker keeps it through two missed renewals; a killed
+one loses it after at most one period, and a standby that tries every period/3 takes over
+within 4/3 periods. The admit, reclaim and recharge scripts check the token, so a broker that
+stalled past its lease can no longer change anything (fencing).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ it; see broker/lua/), so a command that ran but whose reply was lost may run aga
 command is not: a consumer-group read of new entries (XREADGROUP '>') delivers them, so sent
 again after its reply was lost it returns the next ones, and those it delivered wait unseen in
 the reader's pending list. Such reads run in `single_attempt()`: the error reaches the reader,
-who reads its pending list again (`broker.streams.BacklogCursor`; the broker takes over anew).
+who reads its pending list again (`broker.streams.BacklogCursor`; the broker its queues').
 
 Redis Sentinel: a URL `redis+sentinel://[[user]:password@]host1:26379,host2:26379/<service>[/<db>]`
 gives a client of `Sentinel(...).master_for(service)`, which asks the sentinels where the primary

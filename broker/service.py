@@ -249,6 +249,19 @@ class BrokerService:
         for entries in self._autoclaim(stream):
             self._hold_claimed(stream, front, entries)
 
+    def _claim_lost_read(self) -> None:
+        """A queue read whose reply was lost may have delivered entries that never reached us
+        (broker.redis_conn.single_attempt): claim the queues' backlog again and hold what is not
+        held yet. (The events it took only meant "look again", which the next round does.)"""
+        held = {h.entry.entry_id for queues in (self._front, self._back)
+                for queue in queues.values() for h in queue.values()}
+        for w in self._workloads:
+            for stream, front in ((self.keys.requeue(w), True), (self.keys.pending(w), False)):
+                for entries in self._autoclaim(stream):
+                    unseen = [e for e in entries if as_text(e[0]) not in held]
+                    if unseen:
+                        self._hold_claimed(stream, front, unseen)
+
     def _hold_claimed(self, stream: str, front: bool, entries: list[tuple[bytes, Mapping]]) -> None:
         bodied = with_bodies(self._client, self.keys, [f for _, f in entries])
         for (entry_id, _), fields in zip(entries, bodied):
@@ -340,9 +353,15 @@ class BrokerService:
         # (an idle wait ends when the lease is due for renewal: a full renewal interval from
         # here could come close to the lease's end once the round after it is slow)
         block_ms = max(1, int(self.lease.renew_in_s() * 1000)) if block else None
-        # (a lost reply raises: run() takes over again, which claims what it delivered)
-        reply = read_group(self._client, BROKER_GROUP, self.consumer, streams,
-                           self.settings.read_count, block_ms)
+        try:
+            reply = read_group(self._client, BROKER_GROUP, self.consumer, streams,
+                               self.settings.read_count, block_ms)
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            # (Redis still down: this raises too, and run() takes over again once it answers)
+            self._claim_lost_read()
+            reply = None
         events: list[bytes] = []
         read: list[tuple[str, bool, bytes]] = []
         fields_read: list[Mapping] = []
