@@ -124,8 +124,9 @@ def test_an_idle_broker_waits_for_work_no_longer_than_until_its_lease_renewal(
         return read_group(client, group, consumer, streams, count, block)
 
     monkeypatch.setattr(service, "read_group", spy)
+    broker = BrokerThread(redis_url, namespace, lease_s=3.0)  # (the spy reads its lease)
     backend = SimulatedBackend(redis_url, namespace, "b0", 1000, heartbeat_s=0.1).start()
-    broker = BrokerThread(redis_url, namespace, lease_s=3.0).start()
+    broker.start()
     try:
         assert wait_until(lambda: len(waits) >= 30, timeout=30)
     finally:
