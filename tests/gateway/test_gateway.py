@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -26,12 +27,16 @@ CALC = [{"type": "function", "function": {
                    "required": ["expression"]}}}]
 
 
-def agent(base_url: str, turns: int, tools: list | None = None) -> list[dict]:
+def agent(base_url: str, turns: int, tools: list | None = None,
+          before_turn: Callable[[int], None] | None = None) -> list[dict]:
     """An agent as users write one: the plain `openai` client, the history resent each call,
-    each tool call answered with a tool message."""
+    each tool call answered with a tool message. `before_turn(k)` runs before call k (a test
+    holds the agent there)."""
     oa = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=5)
     messages: list[dict] = [{"role": "user", "content": "what is two plus two"}]
-    for _ in range(turns):
+    for k in range(turns):
+        if before_turn is not None:
+            before_turn(k)
         r = oa.chat.completions.create(model="any", messages=messages, tools=tools or openai.NOT_GIVEN)
         msg = r.choices[0].message
         messages.append(msg.model_dump(exclude_none=True))

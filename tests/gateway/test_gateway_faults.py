@@ -39,15 +39,23 @@ def start_gateway(redis_url: str, namespace: str, port: int) -> subprocess.Popen
 
 
 class Agents:
-    """`agent` in a thread per episode (its base URL); what each ended with, and any error."""
+    """`agent` in a thread per episode (its base URL); what each ended with, and any error.
+    With `hold_at`, each agent waits before its call `hold_at` until `release()`."""
 
-    def __init__(self, base_urls: dict[str, str], turns: int) -> None:
+    def __init__(self, base_urls: dict[str, str], turns: int, hold_at: int | None = None) -> None:
         self.done: dict[str, list] = {}
         self.errors: list[BaseException] = []
+        self.held = threading.Semaphore(0)
+        self._gate = threading.Event()
+
+        def before_turn(k: int) -> None:
+            if k == hold_at:
+                self.held.release()
+                self._gate.wait()
 
         def run(sid: str, base: str) -> None:
             try:
-                self.done[sid] = agent(base, turns)
+                self.done[sid] = agent(base, turns, before_turn=before_turn)
             except BaseException as exc:  # noqa: BLE001 - reported by the test
                 self.errors.append(exc)
 
@@ -57,6 +65,13 @@ class Agents:
 
     def running(self) -> int:
         return sum(t.is_alive() for t in self.threads)
+
+    def all_held(self, timeout: float = 60.0) -> bool:
+        """Whether every agent reached its hold within `timeout`."""
+        return all(self.held.acquire(timeout=timeout) for _ in self.threads)
+
+    def release(self) -> None:
+        self._gate.set()
 
     def join(self) -> None:
         for t in self.threads:
@@ -152,9 +167,14 @@ def test_agents_ride_out_a_redis_restart_exactly_once(tmp_path):
             n, turns = 8, 12
             for i in range(n):
                 f.open(f"r{i}", max_tokens=64, metadata={"sim_output_tokens": 40})
+            # Every agent makes two calls and waits; then all go on, and Redis stops while
+            # their calls are in flight (ten calls each are left: a fast machine once ended an
+            # episode within the 1 s this test waited before).
             agents = Agents({f"r{i}": f"{f.gateway.url}/sessions/r{i}/v1" for i in range(n)},
-                            turns)
-            time.sleep(1.0)
+                            turns, hold_at=2)
+            assert agents.all_held()
+            agents.release()
+            time.sleep(0.1)
             running = agents.running()
             server.process.terminate()
             server.process.wait(timeout=10)
