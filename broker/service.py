@@ -208,9 +208,7 @@ class BrokerService:
         self._recall()
         fleet = self._read_fleet()
         self._refresh_workloads(fleet.workloads)
-        for w in self._workloads:
-            for stream, front in ((self.keys.requeue(w), True), (self.keys.pending(w), False)):
-                self._claim_backlog(stream, front)
+        self._claim_queues()
         self._drop_stale_events()
 
     def _recall(self) -> None:
@@ -245,14 +243,11 @@ class BrokerService:
                 if name != self.consumer and int(c["pending"]) == 0:
                     self._client.xgroup_delconsumer(stream, BROKER_GROUP, name)
 
-    def _claim_backlog(self, stream: str, front: bool) -> None:
-        for entries in self._autoclaim(stream):
-            self._hold_claimed(stream, front, entries)
-
-    def _claim_lost_read(self) -> None:
-        """A queue read whose reply was lost may have delivered entries that never reached us
-        (broker.redis_conn.single_attempt): claim the queues' backlog again and hold what is not
-        held yet. (The events it took only meant "look again", which the next round does.)"""
+    def _claim_queues(self) -> None:
+        """Claim every backlog entry of the queues and hold those not held yet: all of them on
+        a takeover; after a queue read whose reply was lost (broker.redis_conn.single_attempt),
+        the entries it delivered that never reached us. (Events it took only meant "look
+        again", which the next round does.)"""
         held = {h.entry.entry_id for queues in (self._front, self._back)
                 for queue in queues.values() for h in queue.values()}
         for w in self._workloads:
@@ -360,7 +355,7 @@ class BrokerService:
             if not is_outage(exc):
                 raise
             # (Redis still down: this raises too, and run() takes over again once it answers)
-            self._claim_lost_read()
+            self._claim_queues()
             reply = None
         events: list[bytes] = []
         read: list[tuple[str, bool, bytes]] = []
