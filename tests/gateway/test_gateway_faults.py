@@ -40,7 +40,9 @@ def start_gateway(redis_url: str, namespace: str, port: int) -> subprocess.Popen
 
 class Agents:
     """`agent` in a thread per episode (its base URL); what each ended with, and any error.
-    With `hold_at`, each agent waits before its call `hold_at` until `release()`."""
+    With `hold_at`, each agent waits before its call `hold_at` until `release()` (an agent that
+    fails first counts as held, so the test sees its error at once instead of waiting out the
+    hold)."""
 
     def __init__(self, base_urls: dict[str, str], turns: int, hold_at: int | None = None) -> None:
         self.done: dict[str, list] = {}
@@ -51,15 +53,17 @@ class Agents:
         def before_turn(k: int) -> None:
             if k == hold_at:
                 self.held.release()
-                self._gate.wait()
+                self._gate.wait(timeout=120)
 
         def run(sid: str, base: str) -> None:
             try:
                 self.done[sid] = agent(base, turns, before_turn=before_turn)
             except BaseException as exc:  # noqa: BLE001 - reported by the test
                 self.errors.append(exc)
+                self.held.release()
 
-        self.threads = [threading.Thread(target=run, args=item) for item in base_urls.items()]
+        self.threads = [threading.Thread(target=run, args=item, daemon=True)
+                        for item in base_urls.items()]
         for t in self.threads:
             t.start()
 
@@ -172,7 +176,7 @@ def test_agents_ride_out_a_redis_restart_exactly_once(tmp_path):
             # episode within the 1 s this test waited before).
             agents = Agents({f"r{i}": f"{f.gateway.url}/sessions/r{i}/v1" for i in range(n)},
                             turns, hold_at=2)
-            assert agents.all_held()
+            assert agents.all_held() and not agents.errors, agents.errors[:3]
             agents.release()
             time.sleep(0.1)
             running = agents.running()
