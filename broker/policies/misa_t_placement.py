@@ -15,7 +15,11 @@ from `ARRAY_MIN_BACKENDS` up, NumPy arrays of the call's reservations and runnin
 updated in place on each placement, so a choice costs a few vector operations over the fleet
 instead of three Python passes. The arrays outlive the call: the next one `sync`s only the
 backends that moved (a new α or cache size, reservations set back from the ledger), so a call
-where a few backends changed does not rebuild them over the fleet.
+where a few backends changed does not rebuild them over the fleet. Most choices follow one
+made for the same charge on the same pool with nothing changed since but that placement (a
+GRPO group's members, the next group of a workload): the masks of the last choice are then
+updated at the one backend that moved, and only the minima the rule is relative to are
+looked up again where that backend held one (`_Last`).
 tests/broker/policies/test_misa_t_placement.py checks that both evaluations choose the same
 backend on every step of random calls, and that a synced placement chooses as a new one.
 """
@@ -48,6 +52,24 @@ def _any(mask: np.ndarray) -> bool:
 ARRAY_MIN_BACKENDS = 128  # measured 2026-11-30: a choice cost ~30 µs in arrays at any size, the
 # loops ~0.25 µs per backend (equal at 128, loops 6 µs at 16, arrays 2× faster at 256); the
 # array path has got cheaper since, and the threshold was not measured again
+
+
+@dataclass(slots=True)
+class _Last:
+    """The last array choice, for the next one on the same pool and charge: which backend, its
+    KV use and running count when chosen, and the minima and running cut-off it was chosen
+    against (`Placement._choose_arrays`). `placed` is set when that backend's placement came
+    in and nothing else has moved since; any other change to the arrays drops the record."""
+
+    pool: Pool
+    charge: float
+    index: int
+    util: float
+    running: float
+    low: float
+    least: float
+    cut: int
+    placed: bool = False
 
 
 @dataclass(slots=True)
@@ -105,9 +127,12 @@ class Placement:
                                       dtype=np.float64)
             self._util = self._reserved / self._capacity
             self._room = self._limit - self._reserved
-            self._running = np.array([b.running for b in self.backends], dtype=np.int64)
+            # (Counts as floats: comparing them with a float cut-off then needs no conversion.)
+            self._running = np.array([b.running for b in self.backends], dtype=np.float64)
             n = len(self.backends)  # scratch masks, reused by every choice of the call
-            self._fits, self._near, self._candidate = (np.empty(n, dtype=bool) for _ in range(3))
+            self._fits, self._near, self._candidate, self._best, self._scratch = (
+                np.empty(n, dtype=bool) for _ in range(5))
+            self._last: _Last | None = None
 
     def pool(self, excluded: Sequence[BackendState] = ()) -> Pool:
         if not excluded:  # the whole fleet (the common case): no copy, no mask
@@ -138,6 +163,12 @@ class Placement:
         """`b`'s reservation and running count changed (a placement on it), or its limit."""
         if self._arrays:
             i = self._position[id(b)]
+            last = self._last
+            if last is not None:
+                if last.index == i and not last.placed:
+                    last.placed = True
+                else:
+                    self._last = None
             self._reserved[i] = b.reserved
             self._util[i] = b.reserved / self._capacity[i]
             self._limit[i] = b.limit
@@ -149,6 +180,7 @@ class Placement:
         count or cache size), so that the placement stays in use over the same backends across
         decide() calls; states it does not hold are ignored."""
         if self._arrays:
+            self._last = None
             for b in moved:
                 i = self._position.get(id(b))
                 if i is not None:
@@ -175,7 +207,7 @@ class Placement:
     def fits(self, pool: Pool, charge: float) -> bool:
         """Whether some backend of `pool` has room for `charge` tokens (else `choose` finds none)."""
         if self._arrays:
-            return _any(self._fitting(pool, charge))
+            return _any(self._fitting(pool, charge, self._scratch))
         return any(b.limit - b.reserved >= charge for b in pool.members)
 
     def most_room(self, pool: Pool, charge: float) -> BackendState | None:
@@ -187,16 +219,16 @@ class Placement:
                 if b.limit >= charge and b.limit - b.reserved > room:
                     best, room = b, b.limit - b.reserved
             return best
-        big = np.greater_equal(self._limit, charge, out=self._fits)
+        big = np.greater_equal(self._limit, charge, out=self._scratch)
         if pool.mask is not None:
             big &= pool.mask
         if not _any(big):
             return None
         return self.backends[int(np.where(big, self._room, -np.inf).argmax())]
 
-    def _fitting(self, pool: Pool, charge: float) -> np.ndarray:
-        """The mask of the pool's backends with room for `charge` (in the scratch `_fits`)."""
-        fits = np.greater_equal(self._room, charge, out=self._fits)
+    def _fitting(self, pool: Pool, charge: float, out: np.ndarray) -> np.ndarray:
+        """The mask of the pool's backends with room for `charge` (in `out`)."""
+        fits = np.greater_equal(self._room, charge, out=out)
         if pool.mask is not None:
             fits &= pool.mask
         return fits
@@ -245,24 +277,71 @@ class Placement:
     def _choose_arrays(self, pool: Pool, charge: float, hits: Hits | None,
                        run_slack: float, min_hit: float) -> tuple[BackendState | None, int]:
         # The same rule as the loops, in as few whole-array operations as it takes (each costs
-        # one to three microseconds at a few hundred backends, more than the arithmetic).
+        # half a microsecond to a microsecond at a few hundred backends, more than the
+        # arithmetic). The masks: `fits` the pool's backends with room, `near` those within
+        # the locality slack of the least KV use among them, `candidate` those of `near` within
+        # the run slack of the fewest running among them. (Running counts are whole numbers:
+        # within `least + run_slack` is at most its floor, `cut`.)
         room, util, running = self._room, self._util, self._running
-        fits = self._fitting(pool, charge)
-        fitting = util[fits]
-        if not fitting.size:
-            return None, 0
-        low = _lowest(fitting)
-        near = np.less_equal(util, low + self.locality_slack, out=self._near)
-        near &= fits
-        least = _lowest(running[near])
-        candidate = np.less_equal(running, least + run_slack, out=self._candidate)
-        candidate &= near
-        if hits is None or hits.array is None:
-            return self.backends[int(np.where(candidate, room, -np.inf).argmax())], 0
-        # The longest match among the candidates (if it counts), then the most room, then the
-        # first.
-        best_hit = _highest(hits.array[candidate])
-        if best_hit > 0 and best_hit >= min_hit:
-            candidate &= hits.array == best_hit
-        i = int(np.where(candidate, room, -np.inf).argmax())
-        return self.backends[i], int(hits.array[i])
+        fits, near, candidate = self._fits, self._near, self._candidate
+        last = self._last
+        if last is not None and last.placed and last.pool is pool and last.charge == charge:
+            # Only the chosen backend `t` moved since the last choice: each mask changes at
+            # `t` alone unless a minimum it is relative to moved.
+            t = last.index
+            fits[t] = room[t] >= charge
+            if last.low < last.util and last.low <= util[t]:
+                low = last.low  # another backend holds the least KV use
+            else:
+                fitting = util[fits]
+                if not fitting.size:
+                    self._last = None
+                    return None, 0
+                low = _lowest(fitting)
+            near_moved = low != last.low
+            if near_moved:
+                np.less_equal(util, low + self.locality_slack, out=near)
+                near &= fits
+            else:
+                near[t] = fits[t] and util[t] <= low + self.locality_slack
+            if not near_moved and last.least < last.running and last.least <= running[t]:
+                least = last.least  # another backend of `near` runs the fewest
+            else:
+                least = _lowest(running[near])
+            cut = math.floor(least + run_slack)
+            if near_moved or cut != last.cut:
+                np.less_equal(running, cut, out=candidate)
+                candidate &= near
+            else:
+                candidate[t] = near[t] and running[t] <= cut
+        else:
+            self._fitting(pool, charge, fits)
+            fitting = util[fits]
+            if not fitting.size:
+                self._last = None
+                return None, 0
+            low = _lowest(fitting)
+            np.less_equal(util, low + self.locality_slack, out=near)
+            near &= fits
+            least = _lowest(running[near])
+            cut = math.floor(least + run_slack)
+            np.less_equal(running, cut, out=candidate)
+            candidate &= near
+        best, hit = candidate, 0
+        if hits is not None and hits.array is not None:
+            # The longest match among the candidates (if it counts), then the most room, then
+            # the first.
+            best_hit = _highest(hits.array[candidate])
+            if best_hit > 0 and best_hit >= min_hit:
+                best = np.equal(hits.array, best_hit, out=self._best)
+                best &= candidate
+        i = int(np.where(best, room, -np.inf).argmax())
+        if hits is not None and hits.array is not None:
+            hit = int(hits.array[i])
+        if last is None:
+            last = self._last = _Last(pool, charge, i, util[i], running[i], low, least, cut)
+        else:
+            last.pool, last.charge, last.index, last.placed = pool, charge, i, False
+            last.util, last.running, last.low, last.least = util[i], running[i], low, least
+            last.cut = cut
+        return self.backends[i], hit

@@ -58,9 +58,16 @@ def test_loops_and_arrays_choose_the_same_backend_through_a_call(seed):
         if a is None:
             continue
         chosen += 1
+        # The chosen backend takes the admission; now and then it instead gives KV and a
+        # session back (a placement must not assume what comes next only adds).
+        shrink = rng.random() < 0.1
         for target, placement, hits in ((a, loops, hits_l), (b, arrays, hits_a)):
-            target.reserved += charge
-            target.running += 1
+            if shrink:
+                target.reserved = max(0.0, target.reserved - 3 * charge)
+                target.running = max(0, target.running - 2)
+            else:
+                target.reserved += charge
+                target.running += 1
             placement.placed(target)
             if hits is not None:
                 placement.key_placed(hits, target, 8192)
