@@ -49,9 +49,9 @@ def _any(mask: np.ndarray) -> bool:
     return bool(mask[mask.argmax()])
 
 
-ARRAY_MIN_BACKENDS = 128  # measured 2026-11-30: a choice cost ~30 µs in arrays at any size, the
-# loops ~0.25 µs per backend (equal at 128, loops 6 µs at 16, arrays 2× faster at 256); the
-# array path has got cheaper since, and the threshold was not measured again
+ARRAY_MIN_BACKENDS = 64  # measured 2026-12-07 (benchmarks/policy_cost.py steady, each path
+# forced, three runs each): median decide() 1.30-1.57 ms in loops and 1.04-1.07 ms in arrays
+# at 64 backends, about equal at 32, arrays 1.5-2× faster from 96 (results/misa-t.md §16)
 
 
 @dataclass(slots=True)
