@@ -327,21 +327,20 @@ class Placement:
             cut = math.floor(least + run_slack)
             np.less_equal(running, cut, out=candidate)
             candidate &= near
-        best, hit = candidate, 0
-        if hits is not None and hits.array is not None:
+        cached = hits.array if hits is not None else None
+        best = candidate
+        if cached is not None:
             # The longest match among the candidates (if it counts), then the most room, then
             # the first.
-            best_hit = _highest(hits.array[candidate])
+            best_hit = _highest(cached[candidate])
             if best_hit > 0 and best_hit >= min_hit:
-                best = np.equal(hits.array, best_hit, out=self._best)
+                best = np.equal(cached, best_hit, out=self._best)
                 best &= candidate
         i = int(np.where(best, room, -np.inf).argmax())
-        if hits is not None and hits.array is not None:
-            hit = int(hits.array[i])
         if last is None:
-            last = self._last = _Last(pool, charge, i, util[i], running[i], low, least, cut)
-        else:
+            self._last = _Last(pool, charge, i, util[i], running[i], low, least, cut)
+        else:  # (in place: a new record for each of a call's hundreds of choices costs more)
             last.pool, last.charge, last.index, last.placed = pool, charge, i, False
             last.util, last.running, last.low, last.least = util[i], running[i], low, least
             last.cut = cut
-        return self.backends[i], hit
+        return self.backends[i], int(cached[i]) if cached is not None else 0
