@@ -46,7 +46,7 @@ from sim.bench import (
 from sim.bound import fluid_bound
 from sim.family import describe, load_family, sample_family
 from sim.fleet import FleetResult
-from sim.metrics import first_tenth_speed, start_up_speed
+from sim.metrics import first_tenth_speed, run_speed, start_up_speed
 from sim.scenario import Scenario, load_scenario, parse_scenario
 from sim.scenario_checks import scenario_warnings
 
@@ -127,8 +127,9 @@ def ratios(results: dict[str, FleetResult], bound: float,
     """Per policy: throughput / the best router baseline's (whole run, steady state, cold start:
     each against the best baseline in that phase), throughput / the fluid bound, the headroom
     it took ((policy − best) / (bound − best), None where the bound leaves none), and how fast
-    it completed the trainer's first iterations (`metrics.start_up_speed`) and the first 10% of
-    the run's `iterations` (`metrics.first_tenth_speed`) against the quickest baseline."""
+    it completed the trainer's first iterations (`metrics.start_up_speed`), the first 10% of
+    the run's `iterations` (`metrics.first_tenth_speed`) and all of them (`metrics.run_speed`)
+    against the quickest baseline."""
     base = [r.metrics for n, r in results.items() if n in BASELINES]
     best = max((m.tokens_per_s for m in base), default=None)
     best_steady = max((m.steady.tokens_per_s for m in base if m.steady is not None),
@@ -145,6 +146,7 @@ def ratios(results: dict[str, FleetResult], bound: float,
                             if m.cold is not None and best_cold else None),
             "start_up_speed": start_up_speed(m, base),
             "first_tenth_speed": first_tenth_speed(m, base, iterations),
+            "run_speed": run_speed(m, base, iterations),
             "of_bound": m.tokens_per_s / bound,
             "headroom_taken": ((m.tokens_per_s - best) / (bound - best)
                                if best and bound > best else None),
@@ -243,7 +245,7 @@ def summarize_family(rows: Sequence[dict[str, dict[str, float | None]]],
         summary: dict[str, float | int | None] = {}
         present: dict[str, list[float]] = {}
         for key in ("x_best", "x_best_steady", "x_best_cold", "start_up_speed",
-                    "first_tenth_speed"):
+                    "first_tenth_speed", "run_speed"):
             xs = present[key] = [r[name][key] for r in rows if r[name][key]]
             summary[f"min_{key}"] = min(xs, default=None)
             summary[f"geomean_{key}"] = geomean(xs) if xs else None
@@ -277,11 +279,13 @@ def print_family(console: Console, report: dict[str, Any], policies: Sequence[st
                  for n in policies]
         t.add_row(sc["name"], *cells)
     console.print(t)
-    s = Table(title="over the family (start-up: the first iterations' speed against the "
-                    "quickest baseline)")
+    s = Table(title="over the family (start-up, first 10%, run pace: the speed of the trainer's "
+                    "first iterations, of its first 10% and of all of them against the quickest "
+                    "baseline)")
     for col in ("policy", "min ×best", "geomean ×best", "min ×best steady",
                 "geomean ×best steady", "min ×best cold", "geomean ×best cold", "min start-up",
-                "geomean start-up", "min first 10%", "geomean first 10%", "wins",
+                "geomean start-up", "min first 10%", "geomean first 10%", "min run pace",
+                "geomean run pace", "wins",
                 "mean % of bound", "headroom taken"):
         s.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "policy")
     for n in policies:
@@ -290,7 +294,8 @@ def print_family(console: Console, report: dict[str, Any], policies: Sequence[st
                   _f(m["geomean_x_best_steady"]), _f(m["min_x_best_cold"]),
                   _f(m["geomean_x_best_cold"]), _f(m["min_start_up_speed"]),
                   _f(m["geomean_start_up_speed"]), _f(m["min_first_tenth_speed"]),
-                  _f(m["geomean_first_tenth_speed"]), f"{m['wins']}/{m['scenarios']}",
+                  _f(m["geomean_first_tenth_speed"]), _f(m["min_run_speed"]),
+                  _f(m["geomean_run_speed"]), f"{m['wins']}/{m['scenarios']}",
                   _f(100 * m["mean_of_bound"] if m["mean_of_bound"] is not None else None, ".0f"),
                   _taken(report["headroom_taken"][n]))
     console.print(s)

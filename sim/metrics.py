@@ -350,6 +350,14 @@ def first_tenth_speed(policy: RunMetrics, baselines: Sequence[RunMetrics],
     return iterations_speed(policy, baselines, max(1, math.ceil(0.1 * iterations)))
 
 
+def run_speed(policy: RunMetrics, baselines: Sequence[RunMetrics], iterations: int) -> float | None:
+    """`iterations_speed` over all the run's `iterations`: how fast the trainer got through the
+    whole run against the quickest baseline. Where tok/s counts every session that finished, this
+    counts only what the trainer took: a `quota` trainer holds the surplus of its quick workloads
+    unconsumed while it waits for its slowest one."""
+    return iterations_speed(policy, baselines, iterations)
+
+
 def iterations_speed(policy: RunMetrics, baselines: Sequence[RunMetrics], k: int) -> float | None:
     """(The quickest baseline's time to its k-th iteration) / (the policy's); None without a
     baseline that got there, or when the policy did not."""

@@ -82,7 +82,7 @@ def test_family_bench_reports_ratios_min_and_geomean(tmp_path):
         assert best == pytest.approx(1.0)  # ratios are to the best baseline of the scenario
         assert all(0 < sc["ratios"][n]["of_bound"] < 1 for n in sc["ratios"])
         # cold and start-up ratios are to the best baseline in that phase
-        for key in ("x_best_cold", "start_up_speed", "first_tenth_speed"):
+        for key in ("x_best_cold", "start_up_speed", "first_tenth_speed", "run_speed"):
             assert max(sc["ratios"][n][key] for n in ("least_loaded", "cache_aware")) == \
                 pytest.approx(1.0)
     s = report["summary"]["misa_t"]

@@ -10,6 +10,7 @@ from sim.metrics import (
     SessionRecord,
     Trainer,
     first_tenth_speed,
+    run_speed,
     kv_utilisation,
     latency_percentile,
     mean_iteration_time,
@@ -303,3 +304,11 @@ def test_the_first_tenth_of_a_run_is_its_first_ceil_10_percent_of_iterations():
     assert first_tenth_speed(policy, [a, b], iterations=4) == pytest.approx(10 / 9)  # k = 1
     assert first_tenth_speed(policy, [a, b], iterations=11) == pytest.approx(18 / 24)  # k = 2
     assert first_tenth_speed(policy, [a, b], iterations=50) is None  # k = 5: nobody got there
+
+
+def test_run_speed_compares_the_time_to_the_last_iteration():
+    a = _Metrics(1, (10.0, 20.0, 30.0, 40.0))
+    b = _Metrics(1, (12.0, 18.0, 33.0, 44.0))
+    assert run_speed(_Metrics(1, (9.0, 24.0, 30.0, 50.0)), [a, b], iterations=4) == 40 / 50
+    assert run_speed(b, [a, b], iterations=4) == 40 / 44
+    assert run_speed(_Metrics(1, (9.0, 24.0, 30.0)), [a, b], iterations=4) is None  # cut short
