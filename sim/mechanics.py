@@ -39,6 +39,7 @@ class TraceRequest:
     prompt: tuple[int, ...] = ()  # token ids, unless it continues `parent`
     parent: str | None = None  # this request's prompt: parent's prompt + its output + observation
     observation: tuple[int, ...] = ()
+    priority: int = 0  # vLLM's request priority (lower first), read under `priority` scheduling
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,7 @@ class Phase:
 @dataclass(frozen=True, slots=True)
 class EngineShape:
     """What both engines are configured with (vLLM: --block-size, --num-gpu-blocks-override,
-    --max-model-len, --max-num-seqs, --max-num-batched-tokens)."""
+    --max-model-len, --max-num-seqs, --max-num-batched-tokens, --scheduling-policy)."""
 
     block_size: int = 32
     num_blocks: int = 96  # vLLM's count: block 0 is its null block
@@ -58,6 +59,7 @@ class EngineShape:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 4096
     vocab_size: int = 2048
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass(slots=True)
@@ -84,13 +86,16 @@ class PhaseOutcome:
         return self.preempted_hits / self.preempted_queries if self.preempted_queries else None
 
 
-def default_trace(seed: int = 0, vocab_size: int = 2048, max_model_len: int = 1024
-                  ) -> list[Phase]:
+def default_trace(seed: int = 0, vocab_size: int = 2048, max_model_len: int = 1024,
+                  priorities: bool = False) -> list[Phase]:
     """Four phases on a 96-block cache of 32 tokens (3,040 usable tokens): shared prefixes
     (room for everyone), multi-turn continuations of them, long requests that need about
     twice the cache, then continuations of half of those under the same pressure (histories
-    that preempt each other). Seed 0 is fixed; other seeds draw the lengths and counts."""
+    that preempt each other). Seed 0 is fixed; other seeds draw the lengths and counts.
+    `priorities`: the long requests get priorities 0-2 (drawn apart from everything else, so
+    the trace is otherwise the same) and their next turns their own, as a session's turns."""
     rng = random.Random(seed)
+    ranks = random.Random(f"priorities {seed}")
     lengths: dict[str, int] = {}  # prompt + output of each request, to size continuations
 
     def ids(n: int) -> tuple[int, ...]:
@@ -123,6 +128,10 @@ def default_trace(seed: int = 0, vocab_size: int = 2048, max_model_len: int = 10
                    for i in range(n_long))
     again = tuple(then(f"t{i}.2", draw(100, 300, 200 + 7 * i), f"t{i}", ids(draw(8, 48, 16)))
                   for i in range(0, n_long, 2))
+    if priorities:
+        given = {r.request_id: ranks.randrange(3) for r in thrash}
+        thrash = tuple(replace(r, priority=given[r.request_id]) for r in thrash)
+        again = tuple(replace(r, priority=given[r.parent or ""]) for r in again)
     return [Phase("shared prefixes", first), Phase("multi-turn", turns),
             Phase("thrash", thrash), Phase("thrash, next turns", again)]
 
@@ -146,7 +155,7 @@ def run_sim(trace: list[Phase], shape: EngineShape = EngineShape()) -> list[Phas
                       max_model_len=shape.max_model_len, max_num_seqs=shape.max_num_seqs,
                       max_num_batched_tokens=shape.max_num_batched_tokens,
                       vocab_size=shape.vocab_size)
-    core = EngineCore(profile, bulk=False)
+    core = EngineCore(profile, bulk=False, scheduling_policy=shape.scheduling_policy)
     prompts: dict[str, list[int]] = {}
     outputs: dict[str, list[int]] = {}
     out: list[PhaseOutcome] = []
@@ -156,7 +165,7 @@ def run_sim(trace: list[Phase], shape: EngineShape = EngineShape()) -> list[Phas
         for r in phase.requests:
             prompts[r.request_id] = _prompt(r, prompts, outputs)
             req = EngineRequest(r.request_id, list(prompts[r.request_id]), r.max_tokens,
-                                ignore_eos=True, arrival_time=core.now)
+                                ignore_eos=True, arrival_time=core.now, priority=r.priority)
             core.add_request(req)
             requests.append(req)
         core.run_until_idle()
@@ -219,7 +228,7 @@ def _run_vllm(trace: list[Phase], model_dir: str | Path, shape: EngineShape
                       max_model_len=shape.max_model_len, max_num_seqs=shape.max_num_seqs,
                       max_num_batched_tokens=shape.max_num_batched_tokens,
                       enable_prefix_caching=True, enforce_eager=True, seed=0,
-                      disable_log_stats=False)
+                      disable_log_stats=False, scheduling_policy=shape.scheduling_policy)
     engine = LLMEngine.from_engine_args(args, stat_loggers=[Recorder])
     prompts: dict[str, list[int]] = {}
     outputs: dict[str, list[int]] = {}
@@ -231,7 +240,7 @@ def _run_vllm(trace: list[Phase], model_dir: str | Path, shape: EngineShape
                 prompts[r.request_id] = _prompt(r, prompts, outputs)
                 engine.add_request(r.request_id, {"prompt_token_ids": prompts[r.request_id]},
                                    SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
-                                                  ignore_eos=True))
+                                                  ignore_eos=True), priority=r.priority)
             finished: dict[str, object] = {}
             finish_step: dict[str, float] = {}
             step = 0

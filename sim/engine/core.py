@@ -28,7 +28,7 @@ from sim.engine.kv_cache import KVCacheManager
 from sim.engine.profiles import EngineProfile
 from sim.engine.request import EngineRequest, FinishReason, RequestStatus
 from sim.engine.sampling import eos_length, request_seed
-from sim.engine.scheduler import ScheduledStep, Scheduler
+from sim.engine.scheduler import ScheduledStep, Scheduler, SchedulingPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +78,10 @@ class _Step:
 
 class EngineCore:
     def __init__(self, profile: EngineProfile, *, kv_tokens: int | None = None, seed: int = 0,
-                 bulk: bool = True) -> None:
+                 bulk: bool = True, scheduling_policy: SchedulingPolicy = "fcfs") -> None:
         """`bulk=False` plans every step through `Scheduler.schedule()`, one at a time: the
-        reference the bulk path is tested against (same steps, same times, same tokens)."""
+        reference the bulk path is tested against (same steps, same times, same tokens).
+        `scheduling_policy`: vLLM's `--scheduling-policy` (`Scheduler`)."""
         self.profile = profile.with_kv_tokens(kv_tokens)
         p = self.profile
         self.block_size = p.block_size
@@ -90,7 +91,7 @@ class EngineCore:
         self.seed = seed
         self.bulk = bulk
         self.kv = KVCacheManager(self.num_gpu_blocks, p.block_size, self.max_model_len)
-        self.scheduler = Scheduler(p, self.kv)
+        self.scheduler = Scheduler(p, self.kv, scheduling_policy)
         self.now = 0.0
         self._clock = 0.0  # the latest `until` the driver has advanced to
         self.requests: dict[str, EngineRequest] = {}  # unfinished, by id
@@ -166,10 +167,14 @@ class EngineCore:
         if req.stop_token_ids or req.stop_scan is not None:
             self._apply_stop_conditions(req)
         t = max(req.arrival_time, self.now)
-        req.arrival_time = t
+        if not self.scheduler.by_priority:
+            req.arrival_time = t
+        # (Under `priority` the arrival time ranks requests, so it stays the caller's: a bulk
+        # engine's clock can be a step ahead of the driver's, a stepped one's is not.)
         self._cut_decode_run(t)
         self.requests[req.request_id] = req
-        heapq.heappush(self._arrivals, (t, next(self._seq), req))
+        req.arrival_seq = next(self._seq)
+        heapq.heappush(self._arrivals, (t, req.arrival_seq, req))
         self._changed()
 
     def _changed(self) -> None:
@@ -298,7 +303,7 @@ class EngineCore:
     def _admit_arrivals(self) -> None:
         arr = self._arrivals
         while arr and arr[0][0] <= self.now:
-            self.scheduler.waiting.append(heapq.heappop(arr)[2])
+            self.scheduler.add_waiting(heapq.heappop(arr)[2])
         if self._pending_aborts and self._plan is None:
             self._apply_aborts()
 
@@ -312,7 +317,7 @@ class EngineCore:
             self._plan = run
             return True
         step = sch.schedule()
-        if not step.scheduled:
+        if not step.scheduled and not step.preempted:
             raise RuntimeError(f"scheduler made no progress: {sch.running[:3]} {list(sch.waiting)[:3]}")
         self._plan = _Step(self.now, step, self.now + step.duration)
         return True
@@ -356,6 +361,8 @@ class EngineCore:
             return int(np.maximum(0, (L + j + bs - 1) // bs - nb).sum())
 
         if need(0) > free:
+            if sch.by_priority:
+                return None  # its victims are not the batch's tail: schedule() picks them
             return self._plan_preempting_decode_step(L, nb, left)
         if need(k - 1) > free:
             lo, hi = 0, k - 1  # need(lo) fits, need(hi) does not

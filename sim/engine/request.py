@@ -43,7 +43,7 @@ class EngineRequest:
         "num_preemptions", "first_token_time", "finish_time", "finish_reason", "token_seed",
         "_output_ids", "num_cached_blocks", "vocab_size", "num_tokens", "min_tokens",
         "stop_token_ids", "stop_scan", "stop_reason", "weight_version_starts", "forced_ending",
-        "ending_ids", "ending_start", "lora_seed",
+        "ending_ids", "ending_start", "lora_seed", "priority", "arrival_seq",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
@@ -51,12 +51,17 @@ class EngineRequest:
                  arrival_time: float = 0.0, prefix_block_hashes: list[int] | None = None,
                  min_tokens: int = 0, stop_token_ids: frozenset[int] = frozenset(),
                  stop_scan: StopScan | None = None,
-                 forced_ending: ForcedEnding | None = None, lora_seed: int = 0) -> None:
+                 forced_ending: ForcedEnding | None = None, lora_seed: int = 0,
+                 priority: int = 0) -> None:
         """`prefix_block_hashes`: chained hashes of the prompt's leading full blocks when the
         caller already has them — an in-process driver passes the previous turn's hashes for
         the next turn of a conversation, so a long history is not hashed again. They must be
-        what `chain_hashes` gives for those tokens (the HTTP server never passes them)."""
+        what `chain_hashes` gives for those tokens (the HTTP server never passes them).
+        `priority`: vLLM's request priority, lower first; read only by an engine scheduling by
+        priority (`Scheduler`)."""
         self.request_id = request_id
+        self.priority = priority
+        self.arrival_seq = 0  # the engine's count of requests added before it (set on add)
         self.prompt_token_ids = prompt_token_ids
         self.max_tokens = max_tokens
         self.output_len = output_len  # `sim_output_len`: the EOS position if the caller knows it

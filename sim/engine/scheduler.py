@@ -1,19 +1,26 @@
 """Continuous batching with chunked prefill and recompute preemption, after vLLM v1's
-Scheduler.schedule() under the FCFS policy:
+Scheduler.schedule(), under either of its policies (`--scheduling-policy`):
 
 1. Running requests first, in order: each gets min(tokens it still needs, token budget). If its
-   blocks don't fit, preempt the *last* running request (free its blocks, reset it to zero
-   computed tokens, put it at the front of waiting) and retry; if it preempts itself, stop.
-2. Only if nothing was preempted this step: waiting requests in FCFS order while the budget
-   lasts and fewer than max_num_seqs run. A request's prefix-cache hit is looked up on its
-   first scheduling (and again after a preemption); admission stops at the first request whose
-   blocks don't fit.
+   blocks don't fit, preempt a victim (free its blocks, reset it to zero computed tokens, put
+   it back in waiting) and retry; if it preempts itself, stop. The victim under `fcfs` is the
+   *last* running request, put back at the front of waiting; under `priority` it is the
+   running request with the largest (priority, arrival time), put back in waiting by that key,
+   and a victim already scheduled in this step gives its tokens back to the budget.
+2. Only if nothing was preempted this step: waiting requests in order (arrival under `fcfs`,
+   (priority, arrival time) under `priority`) while the budget lasts and fewer than
+   max_num_seqs run. A request's prefix-cache hit is looked up on its first scheduling (and
+   again after a preemption); admission stops at the first request whose blocks don't fit.
+
+A step can then schedule nothing: under `priority` a request whose blocks do not fit may
+preempt every request before it and then itself. vLLM returns that step empty; so does this.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from sim.engine.block_pool import Block
 from sim.engine.kv_cache import KVCacheManager
@@ -30,12 +37,55 @@ class ScheduledStep:
     lookups: list[tuple[int, int, bool]] = field(default_factory=list)
 
 
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+def _rank(req: EngineRequest) -> tuple[int, float, int]:
+    """Where `priority` puts a request: (priority, arrival time), as vLLM's Request.__lt__ and
+    its choice of victim. vLLM stamps arrivals with the wall clock, so two requests never tie
+    on it and the later one added ranks last; here requests added at the same virtual time
+    rank in the order they were added."""
+    return req.priority, req.arrival_time, req.arrival_seq
+
+
 class Scheduler:
-    def __init__(self, profile: EngineProfile, kv: KVCacheManager) -> None:
+    def __init__(self, profile: EngineProfile, kv: KVCacheManager,
+                 policy: SchedulingPolicy = "fcfs") -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy: {policy!r} is not 'fcfs' or 'priority'")
         self.profile = profile
         self.kv = kv
+        self.by_priority = policy == "priority"
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
+
+    def add_waiting(self, req: EngineRequest) -> None:
+        """An arrival joins waiting: at the back under `fcfs`, in `_rank` order under
+        `priority`."""
+        if not self.by_priority:
+            self.waiting.append(req)
+            return
+        self._insert(req)
+
+    def _insert(self, req: EngineRequest) -> None:
+        waiting = self.waiting
+        key = _rank(req)
+        i = len(waiting)
+        while i > 0 and _rank(waiting[i - 1]) > key:
+            i -= 1
+        waiting.insert(i, req)
+
+    def _victim(self) -> int:
+        """The index in `running` of the request a failed allocation preempts: the last one, or
+        under `priority` the one ranked last (`_rank`)."""
+        running = self.running
+        if not self.by_priority:
+            return len(running) - 1
+        worst = 0
+        for j in range(1, len(running)):
+            if _rank(running[j]) > _rank(running[worst]):
+                worst = j
+        return worst
 
     def step_duration(self, scheduled: list[tuple[EngineRequest, int]]) -> float:
         p = self.profile
@@ -59,7 +109,10 @@ class Scheduler:
         victim.status = RequestStatus.preempted
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        if self.by_priority:
+            self._insert(victim)
+        else:
+            self.waiting.appendleft(victim)
 
     def schedule(self) -> ScheduledStep:
         p = self.profile
@@ -91,7 +144,15 @@ class Scheduler:
                 continue
             scheduled = True
             while not kv.allocate_slots(req, n):
-                victim = running.pop()
+                v = self._victim()
+                victim = running.pop(v)
+                if v < i:  # scheduled earlier in this step: its tokens go back to the budget
+                    for k, (done, tokens) in enumerate(step.scheduled):
+                        if done is victim:
+                            del step.scheduled[k]
+                            budget += tokens
+                            break
+                    i -= 1
                 self.preempt(victim)
                 step.preempted.append(victim)
                 if victim is req:

@@ -183,8 +183,8 @@ def _add_upfront(core, reqs):
     return sorted(later, key=lambda a: a[0])
 
 
-def _drive(profile, reqs, aborts, bulk, seed):
-    core = EngineCore(profile, seed=seed, bulk=bulk)
+def _drive(profile, reqs, aborts, bulk, seed, policy="fcfs"):
+    core = EngineCore(profile, seed=seed, bulk=bulk, scheduling_policy=policy)
     events = [(t, 0, spec) for t, spec in _add_upfront(core, reqs)]
     events += [(t, 1, rid) for t, rid in aborts]
     events.sort(key=lambda e: (e[0], e[1]))
@@ -218,6 +218,21 @@ def test_bulk_advancing_equals_stepping(seed):
     assert s["num_preemptions_total"] > 0
     assert s["prefix_hits_total"] > 0
     assert s["requests_finished_total"][FinishReason.abort] > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bulk_advancing_equals_stepping_under_priority_scheduling(seed):
+    reqs, aborts = _workload(seed)
+    rng = random.Random(seed)
+    for r in reqs:
+        r["priority"] = rng.randrange(4)
+    step = _drive(DYADIC, reqs, aborts, bulk=False, seed=seed, policy="priority")
+    bulk = _drive(DYADIC, reqs, aborts, bulk=True, seed=seed, policy="priority")
+    assert len(step[0]) == len(reqs)
+    assert bulk == step
+    assert step[1]["num_preemptions_total"] > 0
+    # The priorities change who waits and who is preempted.
+    assert _drive(DYADIC, reqs, aborts, bulk=False, seed=seed)[0] != step[0]
 
 
 def _metrics_over_time(reqs, bulk, seed, every=0.25):

@@ -148,6 +148,55 @@ def test_the_last_running_request_is_preempted_and_recompute_reuses_its_prefix()
     assert s.busy_time == 49.0 and s.kv_usage == 0.0
 
 
+def test_under_priority_the_lowest_priority_request_is_preempted():
+    """The hand-worked case above under `--scheduling-policy priority`, with B ahead of A by
+    priority and arriving at t=1, when the budget first admits it: the steps are the same up
+    to t=33, where A needs a block. A is the lowest priority, so A is preempted, not B (the
+    last running): A preempted itself, so that step schedules nothing (vLLM returns it empty,
+    here a step of no time). B decodes on alone to its 40th output at t=42 (FCFS: t=49); A
+    resumes after it, and its 40th output comes at t=49."""
+    core = EngineCore(ONE_SEC, bulk=False, scheduling_policy="priority")
+    a = EngineRequest("A", list(range(1, 33)), 40, ignore_eos=True, output_len=5, priority=1)
+    b = EngineRequest("B", list(range(101, 133)), 64, output_len=40, arrival_time=1.0)
+    core.add_request(a)
+    core.add_request(b)
+    running = {t: [r.request_id for r in core.scheduler.running] for t, _ in trace(core)}
+    assert running[32.0] == ["A", "B"] and running[33.0] == ["B"]
+    assert (a.num_preemptions, b.num_preemptions) == (1, 0)
+    assert (b.finish_time, a.finish_time) == (42.0, 49.0)
+    assert core.stats().num_preemptions_total == 1
+
+
+@settings(deadline=None, derandomize=True, max_examples=30)
+@given(specs=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 60), st.integers(0, 6),
+                                st.integers(0, 3)), min_size=2, max_size=10))
+def test_under_priority_no_request_left_running_ranks_below_a_victim(specs):
+    """Whatever a step preempts, every request still running after it comes first by
+    (priority, arrival time, order added); a victim scheduled earlier in the step is taken out
+    of it; waiting stays in that order."""
+    core = EngineCore(ONE_SEC, bulk=False, scheduling_policy="priority")
+    for i, (plen, out, at, prio) in enumerate(specs):
+        core.add_request(req(f"r{i}", [(i * 11 + j) % 50 for j in range(plen)], out, at=float(at),
+                             priority=prio))
+    for _, step in trace(core):
+        victims = {id(r) for r in step.preempted}
+        assert not any(id(r) in victims for r, _ in step.scheduled)
+        assert sum(n for _, n in step.scheduled) <= ONE_SEC.max_num_batched_tokens
+        for v in step.preempted:
+            assert all((r.priority, r.arrival_time, r.arrival_seq)
+                       < (v.priority, v.arrival_time, v.arrival_seq)
+                       for r in core.scheduler.running)
+        order = [(r.priority, r.arrival_time, r.arrival_seq) for r in core.scheduler.waiting]
+        assert order == sorted(order)
+    assert core.stats().requests_finished_total[FinishReason.stop] + \
+        core.stats().requests_finished_total[FinishReason.length] == len(specs)
+
+
+def test_an_unknown_scheduling_policy_is_refused():
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineCore(ONE_SEC, scheduling_policy="lifo")
+
+
 @pytest.mark.parametrize("bulk", [False, True])
 def test_last_prompt_block_of_a_one_token_chunk_is_hit_in_the_same_step(bulk):
     """R decodes alongside A, so A's 32-token prompt is prefilled as 31 + 1 tokens (t=1, t=2).
