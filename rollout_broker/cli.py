@@ -102,6 +102,7 @@ def sim_engine(
     journal: Annotated[int, typer.Option(help="keep the last N token-in/token-out requests' ids at GET /sim/journal (checks of token-exact clients)")] = 0,
     max_loras: Annotated[int, typer.Option(help="LoRA adapters one step may mix, as vLLM's --max-loras (0: LoRA off); adapters load through /v1/load_lora_adapter")] = 0,
     lora_load_s: Annotated[float, typer.Option(help="simulated seconds to load one LoRA adapter")] = 0.02,
+    scheduling_policy: Annotated[str, typer.Option(help="vLLM's --scheduling-policy: fcfs, or priority (requests' priority orders the queue and picks whom to preempt)")] = "fcfs",
 ) -> None:
     """Serve a simulated vLLM v1 engine over vLLM's OpenAI-compatible HTTP API."""
     from sim.engine.profiles import check_engine_options, get_profile
@@ -116,12 +117,15 @@ def sim_engine(
             raise ValueError(f"max_loras: must be 0 (LoRA off) or more, not {max_loras}")
         if lora_load_s < 0:
             raise ValueError(f"lora_load_s: must be 0 or more seconds, not {lora_load_s}")
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy: {scheduling_policy!r} is not 'fcfs' or "
+                             "'priority'")
     except ValueError as exc:
         raise _usage_error("sim-engine", exc) from None
 
     serve(host=host, port=port, profile=profile, time_scale=time_scale, kv_tokens=kv_tokens,
           seed=seed, model_name=model_name, fault_injection=fault_injection, journal=journal,
-          max_loras=max_loras, lora_load_s=lora_load_s)
+          max_loras=max_loras, lora_load_s=lora_load_s, scheduling_policy=scheduling_policy)
 
 
 @command("tiny-model")
@@ -199,6 +203,7 @@ def bench(
     jobs: Annotated[int, typer.Option(help="simulations in parallel processes")] = 1,
     sweep_iterations: Annotated[Optional[int], typer.Option(help="iterations per cache_aware_swept grid point (default: whole runs, on the evaluation seed + 1)")] = None,
     warm_start: Annotated[bool, typer.Option(help="each policy that learns first recalls the completions of an earlier run of the scenario (its seed − 1), as a broker recalls the namespace's from Redis")] = False,
+    scheduling_policy: Annotated[Optional[str], typer.Option(help="with --family: every scenario's engines run vLLM's --scheduling-policy (fcfs or priority; with --scenario: --sweep fleet.scheduling_policy=priority)")] = None,
 ) -> None:
     """Simulate policies side by side on a scenario (or a family of them) and compare them (docs/misa-t.md)."""
     from rich.console import Console
@@ -220,12 +225,15 @@ def bench(
             raise ValueError("sweep: needs --scenario (one scenario over a parameter)")
         if sweep is not None and warm_start:
             raise ValueError("warm-start: not with --sweep")
+        if scheduling_policy is not None and family is None:
+            raise ValueError("scheduling-policy: needs --family (for one scenario: --sweep "
+                             "fleet.scheduling_policy=priority)")
         names = parse_policies(policies)
         console = Console(stderr=True, width=230) if not Console(stderr=True).is_terminal \
             else Console(stderr=True)
         if family is not None:
             bench_family(family, samples, seed or 0, names, json_out, plots, jobs, console,
-                         warm_start)
+                         warm_start, scheduling_policy)
         elif sweep is not None:
             bench_sweep(scenario, sweep, names, json_out, plots, jobs, console)
         else:

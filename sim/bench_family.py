@@ -201,10 +201,19 @@ def geomean(xs: Sequence[float]) -> float:
 
 def bench_family(family_path: str, samples: int, seed: int, policies: list[str],
                  json_out: str | None, plots_dir: str | None, jobs: int,
-                 console: Console, warm_start: bool = False) -> dict[str, Any]:
+                 console: Console, warm_start: bool = False,
+                 scheduling_policy: str | None = None) -> dict[str, Any]:
+    """`scheduling_policy`: every drawn scenario's engines run vLLM's `--scheduling-policy`
+    (None: the draws' own, `fcfs`)."""
     check_policies(policies)
     spec = load_family(family_path)
     scenarios = sample_family(spec, family_path, samples, seed)
+    if scheduling_policy is not None:
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy: {scheduling_policy!r} is not 'fcfs' or "
+                             "'priority'")
+        scenarios = [s.model_copy(update={"fleet": s.fleet.model_copy(
+            update={"scheduling_policy": scheduling_policy})}) for s in scenarios]
     with tempfile.TemporaryDirectory(prefix="rb-family-") as tmp:
         paths = [_write(s, Path(tmp)) for s in scenarios]
         bounds = [fluid_bound(s, p) for s, p in zip(scenarios, paths)]
@@ -215,7 +224,7 @@ def bench_family(family_path: str, samples: int, seed: int, policies: list[str],
     rooms = [headroom(r, b.tokens_per_s) for r, b in zip(results, bounds)]
     report = {
         "family": spec.name, "family_file": family_path, "samples": samples, "seed": seed,
-        "warm_start": warm_start,
+        "warm_start": warm_start, "scheduling_policy": scheduling_policy or "fcfs",
         "scenarios": [{
             "name": s.name, "describe": describe(s), "parameters": s.model_dump(mode="json"),
             "bound": asdict(b), "headroom": room, "scenario_warnings": w, "ratios": row,

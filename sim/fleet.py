@@ -581,13 +581,22 @@ class FleetSim:
             prompt_token_ids=prompt, max_tokens=sim.session.max_tokens - kept,
             output_len=sim.truth.output_tokens[live.turn] - kept,
             seed=sim.truth.token_seed * 1000 + live.turn, arrival_time=self.now,
-            prefix_block_hashes=live.history_hashes,
+            prefix_block_hashes=live.history_hashes, priority=self._priority(live),
         )
         live.request = req
         live.prompt_len = len(prompt)
         self.by_request[req.request_id] = live
         self.engines[live.backend].add_request(req)
         self._update_resident(live)
+
+    def _priority(self, live: _Live) -> int:
+        """The request priority a turn carries (`fleet.scheduling_policy`): a broker's worker
+        sends its session's latest admission time in milliseconds (its admitted entry's id),
+        so an engine scheduling by priority serves older sessions first and preempts the
+        youngest; a router sends none."""
+        if self.policy.dispatch_on_arrival:
+            return 0
+        return int(live.placed_at * 1000)
 
     def _on_turn_finished(self, req: EngineRequest) -> None:
         live = self.by_request.pop(req.request_id)
@@ -761,7 +770,8 @@ class FleetSim:
         b = f"e{i}"
         fleet = self.scenario.fleet
         engine = self.engines[b] = EngineCore(self._profile, kv_tokens=fleet.kv_tokens,
-                                              seed=self.scenario.seed + i)
+                                              seed=self.scenario.seed + i,
+                                              scheduling_policy=fleet.scheduling_policy)
         self.resident[b], self._progress[b] = {}, {}
         self.ledger[b] = LedgerEntry(capacity_tokens=engine.num_gpu_blocks * engine.block_size,
                                      healthy=healthy)

@@ -224,6 +224,10 @@ class FleetSpec(BaseModel):
     # deployment that passes --max-num-seqs / --max-num-batched-tokens does.
     max_num_seqs: PosInt | None = None
     max_num_batched_tokens: PosInt | None = None
+    # vLLM's --scheduling-policy. Under `priority` the engines order waiting requests and pick
+    # preemption victims by each request's priority; a broker's workers send each turn with
+    # its session's admission time as the priority (oldest first), a router sends none (0).
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     # LoRA (sim/engine/adapter_slots.py): adapters one engine step may mix (vLLM's
     # --max-loras; 0: LoRA off), and the seconds one adapter takes to load.
     max_loras: Annotated[int, Field(ge=0)] = 0

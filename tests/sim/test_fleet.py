@@ -87,6 +87,41 @@ def test_agentic_turns_stay_home_for_broker_policies_and_hit_the_cache() -> None
     assert all(r.cached_tokens > 0 for r in agentic)
 
 
+@pytest.mark.parametrize("policy", ["spy", "round_robin"])
+def test_under_priority_scheduling_a_brokers_turns_carry_their_admission_time(
+        policy: str, monkeypatch) -> None:
+    """`fleet.scheduling_policy: priority`: a broker policy's turns carry their session's
+    admission time in ms, as the live workers send it; a router's none."""
+    from sim.engine.core import EngineCore
+
+    seen: dict[str, list[int]] = {}
+    add = EngineCore.add_request
+
+    def recording(self, req):
+        seen.setdefault(req.request_id.split("#")[0], []).append(req.priority)
+        add(self, req)
+
+    monkeypatch.setattr(EngineCore, "add_request", recording)
+    data = yaml.safe_load(open(QUICK))
+    data["trainer"].update({"iterations": 2, "batch_size": 16, "inflight_bound": 32})
+    data["fleet"]["scheduling_policy"] = "priority"
+    scenario = parse_scenario(data, origin="tiny")
+    sim = FleetSim(scenario, Spy() if policy == "spy" else make_policy(policy),
+                   make_source(scenario, QUICK))
+    res = sim.run()
+    assert all(e.scheduler.by_priority for e in sim.engines.values())
+    admitted = {r.session_id: r.admitted_at for r in res.sessions}
+    multi = [sid for sid, p in seen.items() if len(p) > 1]
+    assert multi, "the scenario must produce multi-turn sessions"
+    if policy == "round_robin":
+        assert all(p == 0 for ps in seen.values() for p in ps)
+    else:
+        for sid, ps in seen.items():
+            if sid in admitted:
+                assert set(ps) == {int(admitted[sid] * 1000)}
+        assert len({ps[0] for ps in seen.values()}) > 1
+
+
 def test_router_policies_place_every_turn() -> None:
     seen_turns: list[int] = []
     inner = make_policy("round_robin")
