@@ -60,6 +60,11 @@ class AdmittedSession:
     session: Session
     reserved_tokens: int
 
+    @property
+    def admitted_ms(self) -> int:
+        """When the broker admitted it, in Unix milliseconds: its stream entry's id."""
+        return int(self.entry_id.split("-", 1)[0])
+
 
 class WorkerLink:
     def __init__(self, redis_url: str, namespace: str, backend_id: str,

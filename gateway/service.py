@@ -532,8 +532,12 @@ class Gateway:
                                    param="messages", code="context_length_exceeded")
             try:
                 t0 = time.perf_counter()
+                # Older episodes first on an engine scheduling by priority, as the workers'
+                # sessions (by admission time; this call's own admission is now).
+                admitted = view.admitted_at if view.admitted_at is not None else time.time()
                 turn, spans = await b.runner.generate_turn(spec, prompt, view.turns, limit,
-                                                           text=True)
+                                                           text=True,
+                                                           priority=int(admitted * 1000))
                 timing.engine_s += time.perf_counter() - t0
                 return turn, spans, backend
             except EngineError as exc:

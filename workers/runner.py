@@ -272,6 +272,7 @@ class _Episode:
     truncated: bool = False
     reward: float | None = None
     error: str | None = None
+    priority: int = 0  # vLLM's request priority of every turn (`SessionRunner.complete`)
 
     @classmethod
     def start(cls, session: Session, progress: Progress) -> _Episode:
@@ -326,15 +327,16 @@ class SessionRunner:
         self._said_no_cached_tokens = False
 
     async def generate_turn(self, session: Session, prompt: list[int], turn: int,
-                            max_tokens: int, done: int = 0, text: bool | None = None
-                            ) -> tuple[Turn, list[_Span]]:
+                            max_tokens: int, done: int = 0, text: bool | None = None,
+                            priority: int = 0) -> tuple[Turn, list[_Span]]:
         """One turn, whole even across a weight update: a request the engine aborts for a
         pause (`mode=abort`) keeps what it generated, and the turn goes on after the resume
         from prompt + that partial output, on the new weights (a partial rollout); a request
         a `keep` pause froze is split where the engine's weights label changed. Returns the
         turn and its spans, each with the policy version that generated it. `done`: tokens of
         the turn generated before (on another worker, which drained), already in `prompt`.
-        `text`: ask for the output's text too (default: when the session's tools read it)."""
+        `text`: ask for the output's text too (default: when the session's tools read it).
+        `priority`: vLLM's request priority (`complete`)."""
         spans: list[_Span] = []
         parts: list[Turn] = []
         text = wants_text(session) if text is None else text
@@ -345,7 +347,7 @@ class SessionRunner:
                 raise _TurnCut(spans, first_prompt if parts else None, prompt, done)
             epoch = self.weights.epoch
             rec = await self.complete(session, prompt, turn, max_tokens - done, len(parts), done,
-                                      text)
+                                      text, priority)
             parts.append(rec)
             out, lps = rec.output_token_ids, rec.output_logprobs
             for version, a, b in rec.versions:
@@ -377,9 +379,13 @@ class SessionRunner:
         return whole, spans
 
     async def complete(self, session: Session, prompt: list[int], turn: int, max_tokens: int,
-                       piece: int = 0, done: int = 0, text: bool = False) -> Turn:
+                       piece: int = 0, done: int = 0, text: bool = False,
+                       priority: int = 0) -> Turn:
         """One engine request: turn `turn`, or its part `piece` after a pause that found
-        `done` tokens of it generated; with its text when `text`."""
+        `done` tokens of it generated; with its text when `text`. `priority` (lower first) is
+        sent as vLLM's request priority: an engine started with `--scheduling-policy
+        priority` orders waiting requests and picks whom to preempt by it; one on the default
+        `fcfs` ignores it."""
         s = session.sampling
         request_id = f"{session.session_id}-t{turn}" + (f"-p{piece}" if piece else "")
         params: dict = {"max_tokens": max_tokens, "temperature": s.temperature, "top_p": s.top_p,
@@ -409,6 +415,8 @@ class SessionRunner:
         body = {"model": model, "token_ids": prompt,
                 "request_id": request_id, "output_mode": "text" if text else "tokens",
                 "sampling_params": params}
+        if priority:
+            body["priority"] = priority
         started_on = self.weights.version_for(session)
         started = time.monotonic()
         try:
@@ -479,13 +487,15 @@ class SessionRunner:
         raise EngineUnavailable(f"engine: {last} (after {cfg.retries + 1} attempts)")
 
     async def run(self, session: Session, progress: Progress | None = None,
-                  checkpoint: Callable[[PartialRollout], Awaitable[None]] | None = None) -> Outcome:
+                  checkpoint: Callable[[PartialRollout], Awaitable[None]] | None = None,
+                  priority: int = 0) -> Outcome:
         """Run the session to its end. Returns its outcome (`done`, or `failed` with the
         reason when the fault is the session's); raises `EngineUnavailable` when it is the
         engine's. `checkpoint` receives, after each turn whose tool answered, what the session
         would go on from (the worker stores it, so a dead worker or engine loses no finished
-        turn)."""
+        turn). Every turn's request carries `priority` (`complete`)."""
         ep = _Episode.start(session, progress or Progress(session.session_id))
+        ep.priority = priority
         holds = None
         try:
             self._check_vocabulary(session)
@@ -535,7 +545,8 @@ class SessionRunner:
         # The turn's input, unless a record already holds it (a resumed cut turn).
         fed_next = ep.pending if resumed else ep.observation
         try:
-            rec, spans = await self.generate_turn(session, ep.history, turn, max_tokens, before)
+            rec, spans = await self.generate_turn(session, ep.history, turn, max_tokens, before,
+                                                  priority=ep.priority)
         except _TurnCut as cut:
             raise self._handoff(ep.records, cut, turn, fed_next, before) from None
         ep.turns.append(rec)

@@ -571,7 +571,10 @@ class Worker:
         workload = a.session.workload
         started = time.monotonic()
         try:
-            out = await runner.run(a.session, progress, checkpoint=checkpoint)
+            # Older sessions first: an engine scheduling by priority serves their turns before
+
+            out = await runner.run(a.session, progress, checkpoint=checkpoint,
+                                   priority=a.admitted_ms)
             metrics.SESSION_SECONDS.labels(workload).observe(time.monotonic() - started)
             for turn in out.turns:
                 metrics.TURN_SECONDS.labels(workload).observe(turn.wall_s)

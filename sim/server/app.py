@@ -76,6 +76,9 @@ class EngineSettings:
     # and the simulated seconds one adapter takes to load.
     max_loras: int = 0
     lora_load_s: float = DEFAULT_LOAD_S
+    # vLLM's --scheduling-policy: `fcfs`, or `priority` (requests' `priority` field orders the
+    # waiting queue and picks whom to preempt; `fcfs` ignores it, as vLLM does).
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass
@@ -117,7 +120,8 @@ StateDep = Annotated[ServerState, Depends(get_state)]
 
 def build_state(settings: EngineSettings) -> ServerState:
     profile = get_profile(settings.profile)
-    core = EngineCore(profile, kv_tokens=settings.kv_tokens, seed=settings.seed)
+    core = EngineCore(profile, kv_tokens=settings.kv_tokens, seed=settings.seed,
+                      scheduling_policy=settings.scheduling_policy)
     driver = EngineDriver(core, time_scale=settings.time_scale)
     model_name = settings.model_name or profile.served_model
     cache_info = CacheConfigInfo(block_size=core.block_size, num_gpu_blocks=core.num_gpu_blocks)
@@ -188,18 +192,19 @@ def _add_lora_routes(app: FastAPI) -> None:
 
 
 async def _start(s: ServerState, adapter: str | None, request_id: str, prompts: list,
-                 limits: list[int], sampling: Any) -> serving.Generation:
+                 limits: list[int], sampling: Any, priority: int) -> serving.Generation:
     """Start a generation on the base model or, holding one of its slots, on `adapter` (the
     slot goes back when every request of it has ended)."""
     if adapter is None:
         return serving.start_generation(s.driver, request_id, s.model_name, prompts, limits,
-                                        sampling, s.tokenizer)
+                                        sampling, s.tokenizer, priority=priority)
     assert s.lora is not None
     lora = s.lora
     loaded = await lora.acquire(adapter)
     try:
         gen = serving.start_generation(s.driver, request_id, adapter, prompts, limits,
-                                       sampling, s.tokenizer, lora_seed=loaded.seed)
+                                       sampling, s.tokenizer, lora_seed=loaded.seed,
+                                       priority=priority)
     except BaseException:
         lora.release(adapter)
         raise
@@ -222,7 +227,7 @@ def _add_generation_routes(app: FastAPI) -> None:
         prompts, limits = P.completion_inputs(req, s.tokenizer, s.profile.vocab_size,
                                               s.max_model_len)
         request_id = f"cmpl-{req.request_id or random_uuid()}"
-        gen = await _start(s, adapter, request_id, prompts, limits, req)
+        gen = await _start(s, adapter, request_id, prompts, limits, req, req.priority)
         echo = bool(req.echo)
         if req.stream:
             return StreamingResponse(serving.completion_stream(s.driver, gen, s.tokenizer, req,
@@ -237,7 +242,7 @@ def _add_generation_routes(app: FastAPI) -> None:
         adapter = s.check_model(req.model)
         prompt, limit = P.chat_inputs(req, s.tokenizer, s.max_model_len)
         request_id = f"chatcmpl-{req.request_id or random_uuid()}"
-        gen = await _start(s, adapter, request_id, [prompt], [limit], req)
+        gen = await _start(s, adapter, request_id, [prompt], [limit], req, req.priority)
         if req.stream:
             return StreamingResponse(serving.chat_stream(s.driver, gen, s.tokenizer, req),
                                      media_type="text/event-stream")
@@ -251,7 +256,7 @@ def _add_generation_routes(app: FastAPI) -> None:
         adapter = s.check_model(req.model)
         prompt, limit, sampling = P.generate_inputs(req, s.profile.vocab_size, s.max_model_len)
         request_id = f"generate-{req.output_mode}-{req.request_id or random_uuid()}"
-        gen = await _start(s, adapter, request_id, [prompt], [limit], sampling)
+        gen = await _start(s, adapter, request_id, [prompt], [limit], sampling, req.priority)
         if not await serving.wait_all_or_disconnect(request, s.driver, gen):
             return Response(status_code=499)
         reply = serving.generate_response(gen, s.tokenizer, req)
@@ -397,11 +402,13 @@ def _add_info_routes(app: FastAPI) -> None:
 def serve(host: str = "127.0.0.1", port: int = 8000, profile: str = "h200-30b-a3b",
           time_scale: float = 1.0, kv_tokens: int | None = None, seed: int = 0,
           model_name: str | None = None, fault_injection: bool = False, journal: int = 0,
-          max_loras: int = 0, lora_load_s: float = DEFAULT_LOAD_S) -> None:
+          max_loras: int = 0, lora_load_s: float = DEFAULT_LOAD_S,
+          scheduling_policy: str = "fcfs") -> None:
     """Run the server in the foreground until interrupted (`rollout-broker sim-engine`)."""
     settings = EngineSettings(profile=profile, time_scale=time_scale, kv_tokens=kv_tokens,
                               seed=seed, model_name=model_name, fault_injection=fault_injection,
-                              journal=journal, max_loras=max_loras, lora_load_s=lora_load_s)
+                              journal=journal, max_loras=max_loras, lora_load_s=lora_load_s,
+                              scheduling_policy=scheduling_policy)
     # On SIGTERM, requests still generating are cut after 2 s instead of holding the process
     # until they finish (uvicorn waits for open connections otherwise).
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning",

@@ -74,6 +74,7 @@ class SamplingFields(OpenAIBaseModel):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     request_id: str | None = None
+    priority: int = 0  # vLLM's: lower first, read only under --scheduling-policy priority
     sim_output_len: int | None = Field(
         default=None, description="Simulator only: stop after this many tokens (≤ max_tokens)."
     )
@@ -352,6 +353,7 @@ class InferenceGenerateRequest(OpenAIBaseModel):
     output_mode: Literal["tokens", "text"] = "tokens"
     stream: bool | None = False
     return_token_ids: bool | None = None
+    priority: int = 0  # vLLM's: lower first, read only under --scheduling-policy priority
 
 
 class GenerateLogProb(OpenAIBaseModel):

@@ -115,7 +115,7 @@ def stop_string_scan(tok: SimTokenizer, stops: list[str]) -> StopScan | None:
 
 def start_generation(driver: EngineDriver, request_id: str, model: str, prompts: list[Prompt],
                      max_tokens: list[int], req: SamplingFields,
-                     tok: SimTokenizer, lora_seed: int = 0) -> Generation:
+                     tok: SimTokenizer, lora_seed: int = 0, priority: int = 0) -> Generation:
     gen = Generation(request_id=request_id, model=model, prompts=prompts, n=req.n, requests=[])
     scan = stop_string_scan(tok, stop_strings(req))
     stop_ids = frozenset(req.stop_token_ids or ())
@@ -134,6 +134,7 @@ def start_generation(driver: EngineDriver, request_id: str, model: str, prompts:
                 stop_scan=scan,
                 forced_ending=ending,
                 lora_seed=lora_seed,
+                priority=priority,
             ))
     try:
         for r in gen.requests:

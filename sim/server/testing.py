@@ -47,10 +47,12 @@ def running_engine(profile: str = "h100-8b", time_scale: float = 50.0,
                    kv_tokens: int | None = None, seed: int = 0, model_name: str | None = None,
                    host: str = "127.0.0.1", startup_timeout_s: float = 10.0,
                    fault_injection: bool = False, journal: int = 0,
-                   max_loras: int = 0) -> Iterator[RunningEngine]:
+                   max_loras: int = 0, scheduling_policy: str = "fcfs"
+                   ) -> Iterator[RunningEngine]:
     settings = EngineSettings(profile=profile, time_scale=time_scale, kv_tokens=kv_tokens,
                               seed=seed, model_name=model_name, fault_injection=fault_injection,
-                              journal=journal, max_loras=max_loras)
+                              journal=journal, max_loras=max_loras,
+                              scheduling_policy=scheduling_policy)
     app = create_app(settings)
     with serving(app, host, "sim-engine", startup_timeout_s) as port:
         yield RunningEngine(host=host, port=port, model_name=app.state.sim.model_name,

@@ -95,6 +95,10 @@ def test_admit_reserves_moves_and_acks_all_together(world):
     assert world.r.xpending(world.k.pending("rlvr"), BROKER_GROUP)["pending"] == 0
     [adm] = link.read_admitted(block_ms=None)
     assert (adm.session.session_id, adm.reserved_tokens) == ("s1", 40)
+    # When it was admitted, from the admitted entry's id (Redis's clock, in ms): what the
+    # worker sends the engine as the session's priority.
+    server_ms = int(world.r.time()[0]) * 1000
+    assert abs(adm.admitted_ms - server_ms) < 5_000
 
 
 def test_admit_refusals_change_nothing(world):

@@ -65,6 +65,38 @@ def test_multi_turn_history_hits_the_prefix_cache_from_turn_two(engine):
     assert out.stats.tool_wait_s > 0
 
 
+def test_every_turn_carries_the_sessions_priority_to_an_engine_scheduling_by_it():
+    """`SessionRunner.run(priority=...)` (the worker passes its session's admission time in
+    ms) reaches the engine's scheduler on every turn's request, through vLLM's `priority`."""
+    seen: list[tuple[str, int]] = []
+    with running_engine(profile="h100-8b", time_scale=200.0, kv_tokens=200_000,
+                        scheduling_policy="priority") as e:
+        add = e.core.add_request
+
+        def recording(req):
+            seen.append((req.request_id, req.priority))
+            add(req)
+
+        e.core.add_request = recording
+
+        async def go():
+            info = read_engine_info(e.url)
+            tools = InlineExecutor(timeout_s=5.0, registry=REGISTRY)
+            async with httpx.AsyncClient() as http:
+                runner = SessionRunner(http, e.url, info.model, info.max_model_len, tools,
+                                       RunnerSettings(time_scale=200.0),
+                                       vocab_size=info.vocab_size)
+                try:
+                    return await runner.run(agentic("prio", turns=3), priority=1_733_000_000_123)
+                finally:
+                    await tools.aclose()
+
+        r = asyncio.run(go()).result
+    assert r.status == SessionState.done, r.error
+    turns = [p for rid, p in seen if "prio" in rid]
+    assert len(turns) == 3 and set(turns) == {1_733_000_000_123}
+
+
 def test_turn_records_hold_the_whole_trajectory_with_a_logprob_per_model_token(engine):
     out = asyncio.run(run(engine.url, agentic("tr1", turns=3, sim_output_tokens="6,8,10")))
     r = out.result
