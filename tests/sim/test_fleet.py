@@ -122,6 +122,23 @@ def test_under_priority_scheduling_a_brokers_turns_carry_their_admission_time(
         assert len({ps[0] for ps in seen.values()}) > 1
 
 
+def test_a_router_runs_alike_on_engines_scheduling_by_priority() -> None:
+    """A router sends no priority, and with equal priorities vLLM's `priority` policy is its
+    `fcfs`: requests run in arrival order and are admitted in it, so the last running is the
+    latest arrival. A bench that gives MISA-T priority engines gives the routers nothing."""
+    def metrics(policy: str) -> tuple:
+        data = yaml.safe_load(open(QUICK))
+        data["trainer"].update({"iterations": 3, "batch_size": 16, "inflight_bound": 48})
+        data["fleet"].update({"scheduling_policy": policy, "kv_tokens": 12_000})
+        scenario = parse_scenario(data, origin="tiny")
+        res = FleetSim(scenario, make_policy("cache_aware"), make_source(scenario, QUICK)).run()
+        return res.metrics.preemptions, res.metrics.iteration_done_s, res.metrics.tokens_per_s
+
+    fcfs, priority = metrics("fcfs"), metrics("priority")
+    assert fcfs[0] > 0  # a full cache: the policies' victims are exercised
+    assert priority == fcfs
+
+
 def test_router_policies_place_every_turn() -> None:
     seen_turns: list[int] = []
     inner = make_policy("round_robin")
