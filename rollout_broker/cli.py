@@ -106,6 +106,7 @@ def sim_engine(
 ) -> None:
     """Serve a simulated vLLM v1 engine over vLLM's OpenAI-compatible HTTP API."""
     from sim.engine.profiles import check_engine_options, get_profile
+    from sim.engine.scheduler import check_scheduling_policy
     from sim.server.app import serve
 
     try:
@@ -117,9 +118,7 @@ def sim_engine(
             raise ValueError(f"max_loras: must be 0 (LoRA off) or more, not {max_loras}")
         if lora_load_s < 0:
             raise ValueError(f"lora_load_s: must be 0 or more seconds, not {lora_load_s}")
-        if scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy: {scheduling_policy!r} is not 'fcfs' or "
-                             "'priority'")
+        check_scheduling_policy(scheduling_policy)
     except ValueError as exc:
         raise _usage_error("sim-engine", exc) from None
 

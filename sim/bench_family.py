@@ -44,6 +44,7 @@ from sim.bench import (
     write_json,
 )
 from sim.bound import fluid_bound
+from sim.engine.scheduler import check_scheduling_policy
 from sim.family import describe, load_family, sample_family
 from sim.fleet import FleetResult
 from sim.metrics import first_tenth_speed, run_speed, start_up_speed
@@ -209,11 +210,9 @@ def bench_family(family_path: str, samples: int, seed: int, policies: list[str],
     spec = load_family(family_path)
     scenarios = sample_family(spec, family_path, samples, seed)
     if scheduling_policy is not None:
-        if scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy: {scheduling_policy!r} is not 'fcfs' or "
-                             "'priority'")
+        policy = check_scheduling_policy(scheduling_policy)
         scenarios = [s.model_copy(update={"fleet": s.fleet.model_copy(
-            update={"scheduling_policy": scheduling_policy})}) for s in scenarios]
+            update={"scheduling_policy": policy})}) for s in scenarios]
     with tempfile.TemporaryDirectory(prefix="rb-family-") as tmp:
         paths = [_write(s, Path(tmp)) for s in scenarios]
         bounds = [fluid_bound(s, p) for s, p in zip(scenarios, paths)]

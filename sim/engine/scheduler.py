@@ -40,6 +40,14 @@ class ScheduledStep:
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 
+def check_scheduling_policy(policy: str) -> SchedulingPolicy:
+    """`policy` if it is one of vLLM's `--scheduling-policy` values; else ValueError naming
+    the field."""
+    if policy not in ("fcfs", "priority"):
+        raise ValueError(f"scheduling_policy: {policy!r} is not 'fcfs' or 'priority'")
+    return policy  # type: ignore[return-value]
+
+
 def _rank(req: EngineRequest) -> tuple[int, float, int]:
     """Where `priority` puts a request: (priority, arrival time), as vLLM's Request.__lt__ and
     its choice of victim. vLLM stamps arrivals with the wall clock, so two requests never tie
@@ -51,8 +59,7 @@ def _rank(req: EngineRequest) -> tuple[int, float, int]:
 class Scheduler:
     def __init__(self, profile: EngineProfile, kv: KVCacheManager,
                  policy: SchedulingPolicy = "fcfs") -> None:
-        if policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy: {policy!r} is not 'fcfs' or 'priority'")
+        check_scheduling_policy(policy)
         self.profile = profile
         self.kv = kv
         self.by_priority = policy == "priority"

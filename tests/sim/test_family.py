@@ -156,3 +156,10 @@ def test_bench_options_are_checked_before_anything_runs():
     assert res.exit_code == 2 and "jobs: 0 must be at least 1" in res.output
     res = runner.invoke(app, ["bench", "--family", FAMILY, "--sweep", "trainer.inflight_bound=1"])
     assert res.exit_code == 2 and "sweep: needs --scenario" in res.output
+    res = runner.invoke(app, ["bench", "--scenario", "scenarios/quick.yaml",
+                              "--scheduling-policy", "priority"])
+    assert res.exit_code == 2 and "scheduling-policy: needs --family" in res.output
+    res = runner.invoke(app, ["bench", "--family", FAMILY, "--samples", "1",
+                              "--scheduling-policy", "lifo"])
+    assert res.exit_code == 2 and "scheduling_policy: 'lifo' is not 'fcfs' or 'priority'" \
+        in res.output
