@@ -58,18 +58,22 @@ def test_after_a_lost_reply_duplicate_means_it_was_ours():
 
 
 def test_a_bug_in_a_session_ends_it_failed_with_the_reason():
+    priorities = []
+
     class Broken:
-        async def run(self, session, progress, checkpoint=None):
+        async def run(self, session, progress, checkpoint=None, priority=0):
+            priorities.append(priority)
             raise KeyError("surprise")
 
     w = worker()
     s = Session(session_id="s1", workload="rlvr", prompt_token_ids=[1], max_tokens=4)
 
     async def go():
-        await w._run_one(Broken(), AdmittedSession("1-0", s, 10), Progress("s1"))
+        await w._run_one(Broken(), AdmittedSession("1733000000123-0", s, 10), Progress("s1"))
         return w._finished.get_nowait()
 
     result, _ = asyncio.run(go())
+    assert priorities == [1733000000123]  # the admitted entry's time, the engine's priority
     assert result.status == SessionState.failed and result.session_id == "s1"
     assert result.error == "worker: KeyError: 'surprise'"
     assert "s1" not in w._running
@@ -122,7 +126,7 @@ def test_a_finished_session_is_in_the_beats_until_its_result_is_published():
     # `_requeue_orphans`). Between a session's end and the finish loop's publish (a batch ahead
     # of it, a Redis outage's back-off) it is still `running` in Redis: it must stay listed.
     class Quick:
-        async def run(self, session, progress, checkpoint=None):
+        async def run(self, session, progress, checkpoint=None, priority=0):
             progress.context_tokens = 9
             result = SessionResult(session_id=session.session_id, workload="rlvr",
                                    status=SessionState.done)
