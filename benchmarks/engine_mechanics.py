@@ -31,9 +31,9 @@ from sim.mechanics import (  # noqa: E402
     EngineShape,
     PhaseOutcome,
     RequestOutcome,
-    default_trace,
     run_sim,
     same_order_share,
+    trace_for,
 )
 
 COUNTERS = ("queries", "hits", "preempted_queries", "preempted_hits", "preemptions")
@@ -45,12 +45,11 @@ def run_vllm_in_child(model: str, seeds: list[int], policy: str = "fcfs"
     its environment stay out of this one)."""
     code = ("import json, sys\n"
             "from dataclasses import asdict\n"
-            "from sim.mechanics import EngineShape, default_trace, run_vllm\n"
+            "from sim.mechanics import EngineShape, run_vllm, trace_for\n"
             "model, seeds = sys.argv[1], [int(s) for s in sys.argv[2].split(',')]\n"
             "shape = EngineShape(scheduling_policy=sys.argv[3])\n"
-            "ranked = shape.scheduling_policy == 'priority'\n"
-            "out = {s: [asdict(p) for p in run_vllm(default_trace(s, priorities=ranked), model,"
-            " shape)] for s in seeds}\n"
+            "out = {s: [asdict(p) for p in run_vllm(trace_for(s, shape), model, shape)]"
+            " for s in seeds}\n"
             "print('MECHANICS ' + json.dumps(out))\n")
     proc = subprocess.run([sys.executable, "-c", code, model, ",".join(map(str, seeds)), policy],
                           cwd=ROOT, capture_output=True, text=True, timeout=1800)
@@ -125,9 +124,7 @@ def main() -> None:
             model = str(build_tiny_model(Path(tmp) / "tiny"))
         real = run_vllm_in_child(model, seeds, args.scheduling_policy)
     shape = EngineShape(scheduling_policy=args.scheduling_policy)
-    ranked = args.scheduling_policy == "priority"
-    rows = [row for s in seeds
-            for row in compare(s, run_sim(default_trace(s, priorities=ranked), shape), real[s])]
+    rows = [row for s in seeds for row in compare(s, run_sim(trace_for(s, shape), shape), real[s])]
     print(table(rows))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=1) + "\n")

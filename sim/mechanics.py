@@ -136,6 +136,13 @@ def default_trace(seed: int = 0, vocab_size: int = 2048, max_model_len: int = 10
             Phase("thrash", thrash), Phase("thrash, next turns", again)]
 
 
+def trace_for(seed: int, shape: EngineShape) -> list[Phase]:
+    """The trace both engines run for `seed`: with priorities where `shape` schedules by
+    them (`default_trace(seed, priorities=True)`)."""
+    return default_trace(seed, shape.vocab_size, shape.max_model_len,
+                         priorities=shape.scheduling_policy == "priority")
+
+
 def _prompt(req: TraceRequest, prompts: dict[str, list[int]], outputs: dict[str, list[int]]
             ) -> list[int]:
     if req.parent is None:
